@@ -1,0 +1,35 @@
+# make run  : set up .venv, then `dvc repro` on the default preset (Multi30k, small model)
+# make test : set up .venv, then the whole test suite
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+export PATH := $(abspath $(BIN)):$(PATH)
+export DVC_NO_ANALYTICS := 1
+export MLFLOW_ENABLE_TELEMETRY := false
+export DO_NOT_TRACK := 1
+
+.PHONY: install run test bench clean
+
+install: $(VENV)/.installed
+
+# Reinstalls only when the pinned requirements change.
+$(VENV)/.installed: requirements.lock pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check -r requirements.lock
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
+	touch $@
+
+run: install
+	dvc repro
+
+test: install
+	$(BIN)/python -m pytest -q
+
+bench: install
+	$(BIN)/python -m bench.data_scale
+	$(BIN)/python -m bench.train_throughput
+	$(BIN)/python -m bench.decode
+
+clean:
+	rm -rf $(VENV)

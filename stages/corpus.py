@@ -1,0 +1,104 @@
+"""The on-disk formats between stages: encoded splits and length-bucketed batches.
+
+data/tokenized/ (written by stages.tokenize)
+    spm.model, spm.vocab         the shared sentencepiece model (ids below)
+    {split}.{lang}.ids           flat little-endian uint16 token ids, no BOS/EOS
+    {split}.{lang}.offsets       little-endian int64, n + 1 entries, offsets[0] = 0
+    meta.json                    vocab_size, src_lang, tgt_lang, lines per split
+
+data/batches/ (written by stages.batch)
+    {split}.index.npy            int64 example indices, grouped batch after batch
+    {split}.bounds.npy           int64, num_batches + 1 entries: batch b is
+                                 index[bounds[b]:bounds[b + 1]]
+
+Everything is memory-mapped, never unpickled: no Python lists of the corpus.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+# Special ids of the shared sentencepiece vocabulary (stages.tokenize sets them).
+PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+SPLITS = ("train", "valid", "test")
+ID_DTYPE = np.dtype("<u2")
+OFFSET_DTYPE = np.dtype("<i8")
+
+
+@dataclass(frozen=True)
+class EncodedSplit:
+    """One side of one split: sentence i is ids[offsets[i]:offsets[i + 1]]."""
+
+    ids: np.ndarray
+    offsets: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.ids[self.offsets[i] : self.offsets[i + 1]]
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+
+def split_paths(directory: str | Path, split: str, lang: str) -> tuple[Path, Path]:
+    directory = Path(directory)
+    return directory / f"{split}.{lang}.ids", directory / f"{split}.{lang}.offsets"
+
+
+def load_split(directory: str | Path, split: str, lang: str) -> EncodedSplit:
+    """Memory-map one encoded split written by stages.tokenize."""
+    ids_path, offsets_path = split_paths(directory, split, lang)
+    for p in (ids_path, offsets_path):
+        if not p.exists():
+            raise FileNotFoundError(f"{p}: missing; run the tokenize stage first")
+    ids = np.memmap(ids_path, dtype=ID_DTYPE, mode="r") if ids_path.stat().st_size else np.zeros(0, ID_DTYPE)
+    offsets = np.fromfile(offsets_path, dtype=OFFSET_DTYPE)
+    if len(offsets) == 0 or offsets[0] != 0 or offsets[-1] != len(ids) or np.any(np.diff(offsets) < 0):
+        raise ValueError(f"{offsets_path}: offsets do not describe {ids_path} ({len(ids)} ids)")
+    return EncodedSplit(ids, offsets)
+
+
+def read_meta(directory: str | Path) -> dict:
+    path = Path(directory) / "meta.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: missing; run the tokenize stage first")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+@dataclass(frozen=True)
+class Batches:
+    """Length-bucketed batches of one split: batch b holds examples index[bounds[b]:bounds[b+1]]."""
+
+    index: np.ndarray
+    bounds: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.bounds) - 1
+
+    def __getitem__(self, b: int) -> np.ndarray:
+        return self.index[self.bounds[b] : self.bounds[b + 1]]
+
+
+def batch_paths(directory: str | Path, split: str) -> tuple[Path, Path]:
+    directory = Path(directory)
+    return directory / f"{split}.index.npy", directory / f"{split}.bounds.npy"
+
+
+def load_batches(directory: str | Path, split: str) -> Batches:
+    """Memory-map the batches of one split written by stages.batch."""
+    index_path, bounds_path = batch_paths(directory, split)
+    for p in (index_path, bounds_path):
+        if not p.exists():
+            raise FileNotFoundError(f"{p}: missing; run the batch stage first")
+    index = np.load(index_path, mmap_mode="r", allow_pickle=False)
+    bounds = np.load(bounds_path, allow_pickle=False)
+    if len(bounds) == 0 or bounds[0] != 0 or bounds[-1] != len(index):
+        raise ValueError(f"{bounds_path}: bounds do not describe {index_path}")
+    return Batches(index, bounds)

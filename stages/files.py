@@ -1,0 +1,96 @@
+"""Atomic outputs: a killed or failing stage leaves the old output or the new one, never half.
+
+Every stage writes through these helpers. A file is written to a temporary
+sibling, flushed and fsynced, then renamed over the target; a directory is
+built as a temporary sibling and swapped in whole. Errors (ENOSPC included)
+propagate with the target's name, and the temporary is removed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+log = logging.getLogger(__name__)
+
+
+class OutputError(OSError):
+    """Writing an output failed; the previous output, if any, is untouched."""
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | Path, mode: str = "wb") -> Iterator:
+    """Open a temporary sibling of `path` for writing; rename it over `path` on success."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    except BaseException as e:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        if isinstance(e, OSError) and not isinstance(e, OutputError):
+            raise OutputError(e.errno, f"could not write {path}: {e.strerror or e}") from e
+        raise
+
+
+def write_bytes(path: str | Path, data: bytes) -> None:
+    with atomic_file(path, "wb") as f:
+        f.write(data)
+
+
+def write_text(path: str | Path, text: str) -> None:
+    with atomic_file(path, "w") as f:
+        f.write(text)
+
+
+def write_json(path: str | Path, obj: object) -> None:
+    """Write flat metrics (or any JSON) atomically, keys sorted, one per line."""
+    write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | Path) -> Iterator[Path]:
+    """Yield an empty temporary directory; on success it replaces `path` whole.
+
+    On any error the temporary directory is deleted and `path` is left as it was.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    try:
+        yield tmp
+        old = None
+        if path.exists():
+            old = path.with_name(f".{path.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(path, old)
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) and not isinstance(e, OutputError):
+            raise OutputError(e.errno, f"could not write {path}: {e.strerror or e}") from e
+        raise
