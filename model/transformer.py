@@ -1,0 +1,309 @@
+"""The Transformer of "Attention Is All You Need" (Vaswani et al. 2017), Sec. 3.
+
+Read in the paper's order: attention (3.2), feed-forward (3.3), embeddings and
+softmax (3.4), positional encoding (3.5), then the encoder and decoder stacks
+(3.1) and the model that joins them. Post-norm residual blocks,
+LayerNorm(x + Dropout(Sublayer(x))), everywhere.
+
+Dimensions: B batch, S source length, T target length, D d_model, H heads,
+V vocabulary. Token id `pad_id` marks padding (stages.corpus.PAD_ID).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+# --- 3.2 Attention -------------------------------------------------------------
+
+
+def padding_mask(tokens: Tensor, pad_id: int) -> Tensor:
+    """[B, S] token ids -> [B, 1, 1, S] boolean mask, True where a key may be attended."""
+    return (tokens != pad_id)[:, None, None, :]
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head scaled dot-product attention, Sec. 3.2.2.
+
+    The per-head projections W^Q_i, W^K_i, W^V_i are stored side by side in one
+    matrix (one matrix product instead of 3h); for self-attention the three are
+    fused further into a single [D, H*(2*d_k + d_v)] product.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, d_k: int, d_v: int, self_attention: bool):
+        super().__init__()
+        self.n_heads, self.d_k, self.d_v = n_heads, d_k, d_v
+        self.self_attention = self_attention
+        if self_attention:
+            self.w_qkv = nn.Linear(d_model, n_heads * (2 * d_k + d_v))
+        else:
+            self.w_q = nn.Linear(d_model, n_heads * d_k)
+            self.w_kv = nn.Linear(d_model, n_heads * (d_k + d_v))
+        self.w_o = nn.Linear(n_heads * d_v, d_model)
+
+    def _heads(self, x: Tensor, d: int) -> Tensor:
+        B, L, _ = x.shape
+        return x.view(B, L, self.n_heads, d).transpose(1, 2)  # [B, L, H*d] -> [B, H, L, d]
+
+    def project_kv(self, memory: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys and values of the encoder output for cross-attention: [B, H, S, d_k], [B, H, S, d_v]."""
+        k, v = self.w_kv(memory).split([self.n_heads * self.d_k, self.n_heads * self.d_v], dim=-1)
+        return self._heads(k, self.d_k), self._heads(v, self.d_v)
+
+    def project_qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Queries, keys and values of `x` for self-attention, each [B, H, L, d]."""
+        h = self.n_heads
+        q, k, v = self.w_qkv(x).split([h * self.d_k, h * self.d_k, h * self.d_v], dim=-1)
+        return self._heads(q, self.d_k), self._heads(k, self.d_k), self._heads(v, self.d_v)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
+        """softmax(Q K^T / sqrt(d_k)) V over heads, then W^O. q [B,H,T,d_k] -> [B, T, D]."""
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+        B, _, T, _ = out.shape
+        return self.w_o(out.transpose(1, 2).reshape(B, T, self.n_heads * self.d_v))  # [B,H,T,d_v] -> [B,T,H*d_v]
+
+    def forward(self, x: Tensor, mask: Tensor | None, causal: bool = False, memory: Tensor | None = None) -> Tensor:
+        """Self-attention over `x` ([B, L, D]), or cross-attention from `x` to `memory` ([B, S, D])."""
+        if self.self_attention:
+            q, k, v = self.project_qkv(x)
+        else:
+            q = self._heads(self.w_q(x), self.d_k)
+            k, v = self.project_kv(memory)
+        return self.attend(q, k, v, mask, causal)
+
+    def weights(self, x: Tensor, memory: Tensor, mask: Tensor) -> Tensor:
+        """The attention distribution itself (for pictures), [B, H, T, S]."""
+        q = self._heads(self.w_q(x), self.d_k)
+        k, _ = self.project_kv(memory)
+        scores = q @ k.transpose(-1, -2) / math.sqrt(self.d_k)
+        return scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+
+
+# --- 3.3 Position-wise feed-forward networks ------------------------------------
+
+
+class FeedForward(nn.Module):
+    """FFN(x) = max(0, x W1 + b1) W2 + b2, Eq. 2."""
+
+    def __init__(self, d_model: int, d_ff: int):
+        super().__init__()
+        self.w_1 = nn.Linear(d_model, d_ff)
+        self.w_2 = nn.Linear(d_ff, d_model)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w_2(F.relu(self.w_1(x)))
+
+
+# --- 3.5 Positional encoding ------------------------------------------------------
+
+
+def sinusoidal_encoding(max_positions: int, d_model: int) -> Tensor:
+    """PE(pos, 2i) = sin(pos / 10000^(2i/d_model)), PE(pos, 2i+1) = cos(same); [max_positions, D]."""
+    pos = torch.arange(max_positions, dtype=torch.float64)[:, None]
+    div = torch.pow(10000.0, torch.arange(0, d_model, 2, dtype=torch.float64) / d_model)
+    pe = torch.zeros(max_positions, d_model, dtype=torch.float64)
+    pe[:, 0::2] = torch.sin(pos / div)
+    pe[:, 1::2] = torch.cos(pos / div)
+    return pe.float()
+
+
+# --- 3.1 Encoder and decoder stacks -------------------------------------------------
+
+
+class EncoderLayer(nn.Module):
+    """Self-attention then feed-forward, each LayerNorm(x + Dropout(Sublayer(x)))."""
+
+    def __init__(self, d_model: int, d_ff: int, n_heads: int, d_k: int, d_v: int, dropout: float):
+        super().__init__()
+        self.self_attn = MultiHeadAttention(d_model, n_heads, d_k, d_v, self_attention=True)
+        self.ffn = FeedForward(d_model, d_ff)
+        self.norm_1, self.norm_2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor, src_mask: Tensor) -> Tensor:
+        x = self.norm_1(x + self.dropout(self.self_attn(x, src_mask)))
+        return self.norm_2(x + self.dropout(self.ffn(x)))
+
+
+class DecoderLayer(nn.Module):
+    """Masked self-attention, attention over the encoder output, feed-forward; each post-norm."""
+
+    def __init__(self, d_model: int, d_ff: int, n_heads: int, d_k: int, d_v: int, dropout: float):
+        super().__init__()
+        self.self_attn = MultiHeadAttention(d_model, n_heads, d_k, d_v, self_attention=True)
+        self.cross_attn = MultiHeadAttention(d_model, n_heads, d_k, d_v, self_attention=False)
+        self.ffn = FeedForward(d_model, d_ff)
+        self.norm_1, self.norm_2, self.norm_3 = (nn.LayerNorm(d_model) for _ in range(3))
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, y: Tensor, memory: Tensor, src_mask: Tensor) -> Tensor:
+        y = self.norm_1(y + self.dropout(self.self_attn(y, None, causal=True)))
+        y = self.norm_2(y + self.dropout(self.cross_attn(y, src_mask, memory=memory)))
+        return self.norm_3(y + self.dropout(self.ffn(y)))
+
+    def step(self, y: Tensor, cache: LayerCache, src_mask: Tensor) -> Tensor:
+        """One decoding position with cached keys and values. y [B, 1, D] -> [B, 1, D]."""
+        q, k, v = self.self_attn.project_qkv(y)
+        cache.self_k = torch.cat([cache.self_k, k], dim=2)  # [B, H, t+1, d_k]
+        cache.self_v = torch.cat([cache.self_v, v], dim=2)
+        y = self.norm_1(y + self.dropout(self.self_attn.attend(q, cache.self_k, cache.self_v, None, causal=False)))
+        q = self.cross_attn._heads(self.cross_attn.w_q(y), self.cross_attn.d_k)
+        y = self.norm_2(y + self.dropout(self.cross_attn.attend(q, cache.cross_k, cache.cross_v, src_mask, causal=False)))
+        return self.norm_3(y + self.dropout(self.ffn(y)))
+
+
+@dataclass
+class LayerCache:
+    """Keys and values one decoder layer has seen: its own past positions and the encoder output."""
+
+    self_k: Tensor  # [B, H, t, d_k]
+    self_v: Tensor  # [B, H, t, d_v]
+    cross_k: Tensor  # [B, H, S, d_k]
+    cross_v: Tensor  # [B, H, S, d_v]
+
+
+@dataclass
+class DecoderState:
+    """Everything incremental decoding carries from one step to the next."""
+
+    layers: list[LayerCache]
+    src_mask: Tensor  # [B, 1, 1, S]
+    position: int  # positions decoded so far
+
+    def select(self, index: Tensor) -> DecoderState:
+        """Keep (and reorder, or repeat) batch rows `index`, e.g. to follow beams or drop finished ones."""
+        layers = [LayerCache(*(t.index_select(0, index) for t in vars(c).values())) for c in self.layers]
+        return DecoderState(layers, self.src_mask.index_select(0, index), self.position)
+
+
+# --- The model ------------------------------------------------------------------------
+
+
+class Transformer(nn.Module):
+    """Encoder-decoder with one embedding matrix shared by both inputs and the output projection (3.4)."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        n_layers: int,
+        d_model: int,
+        d_ff: int,
+        n_heads: int,
+        d_k: int,
+        d_v: int,
+        dropout: float,
+        positional_encoding: str,
+        max_positions: int,
+        pad_id: int = 0,
+    ):
+        super().__init__()
+        if positional_encoding not in ("sinusoidal", "learned"):
+            raise ValueError(f"model.positional_encoding: expected 'sinusoidal' or 'learned', got {positional_encoding!r}")
+        self.d_model, self.pad_id, self.max_positions = d_model, pad_id, max_positions
+        self.embedding = nn.Embedding(vocab_size, d_model, padding_idx=pad_id)
+        if positional_encoding == "sinusoidal":
+            self.register_buffer("pe", sinusoidal_encoding(max_positions, d_model), persistent=False)
+            self.learned_pe = None
+        else:  # Table 3 row (E)
+            self.learned_pe = nn.Embedding(max_positions, d_model)
+        layer_args = (d_model, d_ff, n_heads, d_k, d_v, dropout)
+        self.encoder = nn.ModuleList(EncoderLayer(*layer_args) for _ in range(n_layers))
+        self.decoder = nn.ModuleList(DecoderLayer(*layer_args) for _ in range(n_layers))
+        self.dropout = nn.Dropout(dropout)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Xavier-uniform matrices, zero biases; embeddings N(0, d_model^-0.5).
+
+        # Paper: initialisation is not specified; these follow tensor2tensor, so that
+        # embeddings scaled by sqrt(d_model) start with unit variance.
+        """
+        for name, p in self.named_parameters():
+            if name.endswith("bias"):
+                nn.init.zeros_(p)
+            elif p.dim() == 2 and "embedding" not in name and "learned_pe" not in name:
+                nn.init.xavier_uniform_(p)
+        nn.init.normal_(self.embedding.weight, std=self.d_model**-0.5)
+        with torch.no_grad():
+            self.embedding.weight[self.pad_id].zero_()
+
+    def positions(self, start: int, length: int) -> Tensor:
+        """Positional encodings of positions start..start+length-1, [length, D]."""
+        if start + length > self.max_positions:
+            raise ValueError(f"sequence of {start + length} positions exceeds model.max_positions={self.max_positions}")
+        if self.learned_pe is not None:
+            return self.learned_pe.weight[start : start + length]
+        return self.pe[start : start + length]
+
+    def embed(self, tokens: Tensor, start: int = 0) -> Tensor:
+        """Shared embedding x sqrt(d_model) plus positional encoding, then dropout (3.4, 3.5, 5.4)."""
+        x = self.embedding(tokens) * math.sqrt(self.d_model) + self.positions(start, tokens.shape[1])
+        return self.dropout(x)
+
+    def encode(self, src: Tensor) -> tuple[Tensor, Tensor]:
+        """src [B, S] -> (memory [B, S, D], src_mask [B, 1, 1, S])."""
+        src_mask = padding_mask(src, self.pad_id)
+        x = self.embed(src)
+        for layer in self.encoder:
+            x = layer(x, src_mask)
+        return x, src_mask
+
+    def decode(self, tgt_in: Tensor, memory: Tensor, src_mask: Tensor) -> Tensor:
+        """Teacher-forced decoder: tgt_in [B, T] (BOS first) -> hidden states [B, T, D].
+
+        Future positions are masked (causal), so padding at the end of a target
+        never reaches the positions before it.
+        """
+        y = self.embed(tgt_in)
+        for layer in self.decoder:
+            y = layer(y, memory, src_mask)
+        return y
+
+    def project(self, hidden: Tensor) -> Tensor:
+        """Pre-softmax linear transformation with the shared embedding matrix: [..., D] -> [..., V]."""
+        return hidden @ self.embedding.weight.t()
+
+    def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
+        """Logits of the next target token at every position: [B, T, V]."""
+        memory, src_mask = self.encode(src)
+        return self.project(self.decode(tgt_in, memory, src_mask))
+
+    # --- incremental decoding (translate stage) ---
+
+    def init_state(self, memory: Tensor, src_mask: Tensor) -> DecoderState:
+        """Project the encoder output once per layer for cross-attention; start with empty self caches."""
+        layers = []
+        for layer in self.decoder:
+            k, v = layer.cross_attn.project_kv(memory)
+            B, H = k.shape[:2]
+            empty_k = k.new_zeros(B, H, 0, layer.self_attn.d_k)
+            empty_v = v.new_zeros(B, H, 0, layer.self_attn.d_v)
+            layers.append(LayerCache(empty_k, empty_v, k, v))
+        return DecoderState(layers, src_mask, 0)
+
+    def decode_step(self, tokens: Tensor, state: DecoderState) -> tuple[Tensor, DecoderState]:
+        """Feed the last token of each row, tokens [B]; return next-token logits [B, V] and the grown state."""
+        y = self.embed(tokens[:, None], start=state.position)  # [B, 1, D]
+        for layer, cache in zip(self.decoder, state.layers):
+            y = layer.step(y, cache, state.src_mask)
+        state.position += 1
+        return self.project(y[:, 0]), state
+
+    def cross_attention_weights(self, src: Tensor, tgt_in: Tensor) -> Tensor:
+        """Encoder-decoder attention of each head in the last decoder layer, [B, H, T, S]."""
+        memory, src_mask = self.encode(src)
+        y = self.embed(tgt_in)
+        for layer in self.decoder[:-1]:
+            y = layer(y, memory, src_mask)
+        last = self.decoder[-1]
+        y = last.norm_1(y + last.self_attn(y, None, causal=True))
+        return last.cross_attn.weights(y, memory, src_mask)
+
+
+def build_transformer(vocab_size: int, **model_config) -> Transformer:
+    """Build from the `model` params section: build_transformer(V, **asdict(ModelConfig))."""
+    return Transformer(vocab_size=vocab_size, **model_config)
