@@ -234,10 +234,16 @@ def compose(overrides: list[str] = (), conf_dir: str | Path = CONF_DIR) -> dict:
     """Compose conf/config.yaml with Hydra overrides, as `dvc exp run -S` does."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
+    from hydra.errors import HydraException
     from omegaconf import OmegaConf
 
-    with initialize_config_dir(config_dir=str(Path(conf_dir).resolve()), version_base=None):
-        cfg = hydra_compose(config_name="config", overrides=list(overrides))
+    conf_dir = Path(conf_dir).resolve()
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir), version_base=None):
+            cfg = hydra_compose(config_name="config", overrides=list(overrides))
+    except HydraException as e:
+        presets = {g.name: sorted(p.stem for p in g.glob("*.yaml")) for g in sorted(conf_dir.iterdir()) if g.is_dir()}
+        raise ParamsError(f"{conf_dir}: cannot compose {list(overrides)}: {e}; presets: {presets}") from None
     return OmegaConf.to_container(cfg, resolve=True)
 
 

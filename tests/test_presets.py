@@ -1,0 +1,67 @@
+"""The paper presets hold exactly the paper's numbers (shared/docs/PAPER.md, Tables 2-3, Sec. 5-6)."""
+
+import pytest
+
+from stages.config import compose
+
+# Sec. 3, Table 3 (base, big); Sec. 5.1-5.4; Sec. 6.1.
+PAPER = {
+    "wmt14_en_de_base": {
+        "model": dict(n_layers=6, d_model=512, d_ff=2048, n_heads=8, d_k=64, d_v=64, dropout=0.1),
+        "train": dict(max_steps=100_000, warmup_steps=4000, label_smoothing=0.1, checkpoint_minutes=10),
+        "average": dict(last_n=5),
+        "data": dict(src_lang="en", tgt_lang="de"),
+        "tokenize": dict(model_type="bpe", vocab_size=37000),
+    },
+    "wmt14_en_de_big": {
+        "model": dict(n_layers=6, d_model=1024, d_ff=4096, n_heads=16, d_k=64, d_v=64, dropout=0.3),
+        "train": dict(max_steps=300_000, warmup_steps=4000, label_smoothing=0.1, checkpoint_minutes=10),
+        "average": dict(last_n=20),
+        "data": dict(src_lang="en", tgt_lang="de"),
+        "tokenize": dict(model_type="bpe", vocab_size=37000),
+    },
+    "wmt14_en_fr_big": {
+        "model": dict(n_layers=6, d_model=1024, d_ff=4096, n_heads=16, d_k=64, d_v=64, dropout=0.1),
+        "train": dict(max_steps=300_000, warmup_steps=4000, label_smoothing=0.1, checkpoint_minutes=10),
+        "average": dict(last_n=20),
+        "data": dict(src_lang="en", tgt_lang="fr"),
+        "tokenize": dict(vocab_size=32000),
+    },
+}
+COMMON = {
+    "train": dict(adam_beta1=0.9, adam_beta2=0.98, adam_eps=1e-9, lr_factor=1.0, max_minutes=0.0),
+    "translate": dict(beam_size=4, length_penalty=0.6, max_len_a=1.0, max_len_b=50),
+    "model": dict(positional_encoding="sinusoidal"),
+}
+
+
+@pytest.mark.parametrize("experiment", sorted(PAPER))
+def test_paper_preset_holds_the_papers_values(experiment):
+    params = compose([f"experiment={experiment}"])
+    for table in (PAPER[experiment], COMMON):
+        for section, values in table.items():
+            for key, value in values.items():
+                assert params[section][key] == value, f"{experiment}: {section}.{key}"
+
+
+@pytest.mark.parametrize("experiment", sorted(PAPER))
+def test_paper_preset_steps_hold_25000_tokens_per_side(experiment):
+    """Sec. 5.1: ~25000 source + 25000 target tokens a step = max_tokens x devices x accumulation."""
+    params = compose([f"experiment={experiment}"])
+    assert params["train"]["tokens_per_step"] == 25000
+    assert params["train"]["devices"] == 8
+    assert params["batch"]["max_tokens"] * params["train"]["devices"] == 25000
+
+
+@pytest.mark.parametrize("experiment", sorted(PAPER))
+def test_paper_preset_evaluates_on_newstest(experiment):
+    data = compose([f"experiment={experiment}"])["data"]
+    assert data["valid"][0]["name"] == "newstest2013"
+    assert data["test"][0]["name"] == "newstest2014-full"
+    assert "test-full/newstest2014" in data["test"][0]["src"]["member"]
+
+
+def test_averaging_window_fits_the_checkpoints_kept():
+    for experiment in sorted(PAPER) + ["multi30k_small"]:
+        params = compose([f"experiment={experiment}"])
+        assert params["train"]["keep_checkpoints"] >= params["average"]["last_n"], experiment
