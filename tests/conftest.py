@@ -1,0 +1,22 @@
+"""Test-wide environment: nothing phones home, nothing lands in the repo's own mlflow.db."""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+VENV_BIN = Path(sys.executable).parent
+
+os.environ.setdefault("DVC_NO_ANALYTICS", "1")
+os.environ.setdefault("MLFLOW_ENABLE_TELEMETRY", "false")
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+os.environ.setdefault("DO_NOT_TRACK", "true")
+
+
+@pytest.fixture(autouse=True)
+def _private_tracking_store(tmp_path, monkeypatch):
+    """Each test gets its own sqlite MLflow store unless it sets another."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.setenv("PATH", f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}")
