@@ -24,6 +24,12 @@ class OutputError(OSError):
     """Writing an output failed; the previous output, if any, is untouched."""
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def _fsync_dir(path: Path) -> None:
     with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
@@ -44,6 +50,7 @@ def atomic_file(path: str | Path, mode: str = "wb") -> Iterator:
             yield f
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes owner-only files; outputs are ordinary files
         os.replace(tmp, path)
         _fsync_dir(path.parent)
     except BaseException as e:
@@ -80,6 +87,7 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:
         yield tmp
+        os.chmod(tmp, 0o777 & ~_umask())
         old = None
         if path.exists():
             old = path.with_name(f".{path.name}.old")
