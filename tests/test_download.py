@@ -17,7 +17,7 @@ import pytest
 import yaml
 from sacrebleu.dataset.fake_sgml import FakeSGMLDataset
 
-from stages import download
+from stages import download, fetch
 from stages.config import ParamsError, load_all
 from tests.http_fixtures import FileServer
 
@@ -146,9 +146,9 @@ class Site:
         self.runs += 1
         params = write_params(self.tmp / f"params{self.runs}.yaml", self.data() if data is None else data)
         if mirror is None:
-            self.monkeypatch.delenv(download.MIRROR_ENV, raising=False)
+            self.monkeypatch.delenv(fetch.MIRROR_ENV, raising=False)
         else:
-            self.monkeypatch.setenv(download.MIRROR_ENV, mirror)
+            self.monkeypatch.setenv(fetch.MIRROR_ENV, mirror)
         paths = {"--out": out, "--metrics": f"{out}.json", "--params": params.name, "--cache": cache}
         download.main([str(a) for k, v in paths.items() for a in (k, self.tmp / v)])
         return self.tmp / out
@@ -159,8 +159,8 @@ class Site:
 
 @pytest.fixture(autouse=True)
 def fast_backoff(monkeypatch):
-    monkeypatch.setattr(download, "BACKOFF_S", 0.001)
-    monkeypatch.delenv(download.MIRROR_ENV, raising=False)
+    monkeypatch.setattr(fetch, "BACKOFF_S", 0.001)
+    monkeypatch.delenv(fetch.MIRROR_ENV, raising=False)
 
 
 @pytest.fixture
@@ -202,7 +202,7 @@ def test_checksum_mismatch_is_refused_and_the_file_deleted(site):
     data = site.data()
     expected = "0" * 64
     data["train"][0]["tgt"]["sha256"] = expected
-    with pytest.raises(download.ChecksumError) as err:
+    with pytest.raises(fetch.ChecksumError) as err:
         site.run(data)
     actual = sha256(PLAIN["corpus/train.de.gz"])
     assert data["train"][0]["tgt"]["url"] in str(err.value) and expected in str(err.value) and actual in str(err.value)
@@ -213,7 +213,7 @@ def test_checksum_mismatch_is_refused_and_the_file_deleted(site):
 def test_member_checksum_mismatch_names_the_member_and_deletes_it(site):
     data = site.data()
     data["valid"][0]["src"]["sha256"] = "1" * 64
-    with pytest.raises(download.ChecksumError, match="dev.tgz member dev/valid.en: sha256 mismatch"):
+    with pytest.raises(fetch.ChecksumError, match="dev.tgz member dev/valid.en: sha256 mismatch"):
         site.run(data)
     assert not list((site.tmp / "cache").rglob("valid.en"))
     assert not [p for p in (site.tmp / "cache").rglob("dev.tgz") if p.is_file()]  # the archive it came from, too
@@ -223,7 +223,7 @@ def test_previous_outputs_are_intact_after_a_failure(site):
     out = site.run()
     before, metrics_before = read_tree(out), (site.tmp / "raw.json").read_bytes()
     site.plain["corpus/train.en.gz"] = gzip.compress(b"one line too few\n", mtime=0)
-    with pytest.raises(download.DownloadError):
+    with pytest.raises(fetch.DownloadError):
         site.run(cache="cache2")
     assert read_tree(out) == before and (site.tmp / "raw.json").read_bytes() == metrics_before
     assert [p.name for p in site.tmp.iterdir() if p.name.startswith(".raw")] == []
@@ -252,9 +252,9 @@ def test_503_is_retried(site):
 
 def test_persistent_503_gives_up_naming_the_url(site):
     site.server.fail_first = 100
-    with pytest.raises(download.DownloadError, match=f"train.en.gz: failed after {download.TRIES} tries: HTTP 503"):
+    with pytest.raises(fetch.DownloadError, match=f"train.en.gz: failed after {fetch.TRIES} tries: HTTP 503"):
         site.run()
-    assert len(site.server.requests) == download.TRIES
+    assert len(site.server.requests) == fetch.TRIES
 
 
 def test_plain_http_without_sha256_is_refused_before_any_request(site):
@@ -344,8 +344,8 @@ def test_extraction_refuses_members_outside_the_target_dir(tmp_path, name):
     archive = tmp_path / "evil.tgz"
     archive.write_bytes(make_tar({name: b"owned\n"}))
     dest = tmp_path / "deep" / "dest"
-    with pytest.raises(download.DownloadError, match=f"evil archive: member {name} would land outside"):
-        download.extract_members(archive, [name], dest, "evil archive")
+    with pytest.raises(fetch.DownloadError, match=f"evil archive: member {name} would land outside"):
+        fetch.extract_members(archive, [name], dest, "evil archive")
     assert not (tmp_path / "deep" / "evil.en").exists() and not (tmp_path / "evil.en").exists() and not dest.exists()
 
 
@@ -353,7 +353,7 @@ def test_extraction_refuses_members_outside_the_target_dir(tmp_path, name):
 def test_link_member_is_refused(site, kind, word):
     target = "/etc/passwd" if kind == tarfile.SYMTYPE else "dev/other.txt"
     site.archives["wmt/dev.tgz"]["dev/valid.en"] = link("dev/valid.en", target, kind)
-    with pytest.raises(download.DownloadError, match=f"dev.tgz \\(archive\\): member dev/valid.en is a {word}"):
+    with pytest.raises(fetch.DownloadError, match=f"dev.tgz \\(archive\\): member dev/valid.en is a {word}"):
         site.run()
     assert not list((site.tmp / "cache").rglob("valid.en"))
 
@@ -363,13 +363,13 @@ def test_truncated_archive_is_refused_naming_it(site):
     data = site.data()
     path = site.server.root / "wmt/test-full.tgz"
     path.write_bytes(path.read_bytes()[:200])
-    with pytest.raises(download.DownloadError, match="test-full.tgz \\(archive\\): corrupt or truncated archive"):
+    with pytest.raises(fetch.DownloadError, match="test-full.tgz \\(archive\\): corrupt or truncated archive"):
         site.run(data, publish=False)
 
 
 def test_truncated_gzip_is_refused_naming_it(site):
     site.plain["corpus/train.en.gz"] = PLAIN["corpus/train.en.gz"][:-12]
-    with pytest.raises(download.DownloadError, match="train.en.gz: corrupt or truncated gzip"):
+    with pytest.raises(fetch.DownloadError, match="train.en.gz: corrupt or truncated gzip"):
         site.run()
 
 
@@ -378,13 +378,13 @@ def test_truncated_gzip_is_refused_naming_it(site):
 
 def test_different_line_counts_are_refused_naming_both_files(site):
     site.archives["wmt/dev.tgz"]["dev/valid.de"] = b"Nur eine Zeile.\n"
-    with pytest.raises(download.DownloadError, match=r"toy-dev: 2 lines in .*dev/valid.en but 1 in .*dev/valid.de"):
+    with pytest.raises(fetch.DownloadError, match=r"toy-dev: 2 lines in .*dev/valid.en but 1 in .*dev/valid.de"):
         site.run()
 
 
 def test_invalid_utf8_is_refused_with_its_line_number(site):
     site.archives["wmt/dev.tgz"]["dev/valid.de"] = b"Zwei M\xc3\xa4nner.\nEin Kind \xff spielt.\n"
-    with pytest.raises(download.DownloadError, match="dev/valid.de: line 2: invalid UTF-8"):
+    with pytest.raises(fetch.DownloadError, match="dev/valid.de: line 2: invalid UTF-8"):
         site.run()
 
 
@@ -399,7 +399,7 @@ def test_bom_and_crlf_are_stripped(site):
 def test_empty_corpus_is_refused(site):
     site.archives["wmt/dev.tgz"]["dev/valid.en"] = b""
     site.archives["wmt/dev.tgz"]["dev/valid.de"] = b""
-    with pytest.raises(download.DownloadError, match="toy-dev: .* have no lines"):
+    with pytest.raises(fetch.DownloadError, match="toy-dev: .* have no lines"):
         site.run()
 
 
@@ -410,14 +410,14 @@ def test_sgml_mismatched_segment_ids_are_refused(site):
     site.archives["wmt/test-full.tgz"]["test-full/ref.de.sgm"] = sgm(
         "ref", {"d1": [("1", "Eine erste Zeile"), ("3", "Falsche Nummer")], "d2": [("1", "Zweites Dokument")]}
     )
-    with pytest.raises(download.DownloadError, match=r"ref.de.sgm: no segment docid='d1' segid=2 .*which .*src.en"):
+    with pytest.raises(fetch.DownloadError, match=r"ref.de.sgm: no segment docid='d1' segid=2 .*which .*src.en"):
         site.run()
 
 
 def test_sgml_segments_out_of_order_are_refused(tmp_path):
     src = [download.Segment("d1", "1", "a"), download.Segment("d1", "2", "b")]
     ref = [download.Segment("d1", "2", "B"), download.Segment("d1", "1", "A")]
-    with pytest.raises(download.DownloadError, match="src.sgm and ref.sgm: segment 1 is docid='d1' segid=1 in the"):
+    with pytest.raises(fetch.DownloadError, match="src.sgm and ref.sgm: segment 1 is docid='d1' segid=1 in the"):
         download.check_segments(src, ref, "src.sgm", "ref.sgm")
 
 

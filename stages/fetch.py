@@ -1,0 +1,335 @@
+"""Fetch corpus files: HTTP with resume, retries and backoff, the CORPUS_MIRROR mirror, a cache, safe tar extraction.
+
+A source is an http(s) URL, optionally with a member of the tar archive it names. The mirror path
+of a URL is `<mirror>/<host>/<path>` (a directory or an http(s) base URL): a file there is the
+download itself; a directory holds the archive's members unpacked at their member paths. The cache
+keeps downloads at `<cache>/files/<host>/<path>` and extracted members at
+`<cache>/members/<host>/<path>/<member>`. Every source gives the same bytes, checked by sha256.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import tarfile
+import time
+import urllib.parse
+import zlib
+from pathlib import Path, PurePosixPath
+from typing import Iterable, NamedTuple
+
+import requests
+import urllib3
+from tqdm import tqdm
+
+from stages.config import FileSource
+from stages.files import atomic_file
+
+log = logging.getLogger(__name__)
+
+MIRROR_ENV = "CORPUS_MIRROR"
+ARCHIVE_SUFFIXES = (".tgz", ".tar.gz", ".tar")
+TRIES = 5  # HTTP attempts per file
+BACKOFF_S = 1.0  # delay before the first retry, doubled before each next one (tests shrink it)
+TIMEOUT_S = (10.0, 60.0)  # connect, read
+CHUNK = 1 << 20
+
+
+
+class DownloadError(RuntimeError):
+    """A corpus could not be fetched, verified or read; the message names the file."""
+
+
+class ChecksumError(DownloadError):
+    """A file's sha256 differs from the pinned one."""
+
+
+class NotFound(DownloadError):
+    """The server has no such file (HTTP 404/410)."""
+
+
+class _Transient(Exception):
+    """A failure worth retrying (5xx, 429, a resume the server got wrong)."""
+
+
+_RETRYABLE = (
+    requests.ConnectionError,
+    requests.Timeout,
+    requests.exceptions.ChunkedEncodingError,
+    urllib3.exceptions.HTTPError,
+    _Transient,
+)
+
+
+class Local(NamedTuple):
+    """Where a FileSource's verified bytes are on disk, and their sha256."""
+
+    path: Path
+    sha256: str
+
+
+# --- URLs and paths ---------------------------------------------------------------
+
+
+def safe_relpath(path: str) -> bool:
+    """True for a relative path that stays inside the directory it is joined to."""
+    parts = PurePosixPath(path).parts
+    return bool(parts) and not path.startswith("/") and ".." not in parts and "\\" not in path
+
+
+def url_parts(url: str) -> tuple[str, str]:
+    """(host, unquoted path) of an http(s) URL naming a file: the mirror and cache layout."""
+    parts = urllib.parse.urlsplit(url)
+    path = urllib.parse.unquote(parts.path).lstrip("/")
+    if parts.scheme not in ("http", "https") or not parts.netloc or path.endswith("/") or not safe_relpath(path):
+        raise ValueError(f"not an http(s) URL of a file: {url!r}")
+    return parts.netloc, path
+
+
+def is_archive(url: str) -> bool:
+    """True if the URL names a tar archive (by its suffix)."""
+    return urllib.parse.urlsplit(url).path.lower().endswith(ARCHIVE_SUFFIXES)
+
+
+def label_of(source: FileSource) -> str:
+    """How messages name a source: its URL, and the member if it has one."""
+    return source.url if source.member is None else f"{source.url} member {source.member}"
+
+
+# --- fetching: cache, mirror, HTTP ---------------------------------------------------
+
+
+def sha256_of(path: Path) -> str:
+    """The hex sha256 of a file's bytes."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def verify(path: Path, source: FileSource, delete: bool) -> Local:
+    """Check `path` against the source's pinned sha256; on a mismatch delete it (if `delete`) and raise."""
+    seen = sha256_of(path)
+    if source.sha256 is None:
+        log.warning("sha256 NOT PINNED for %s: saw %s; nothing verifies it; pin it in params.", label_of(source), seen)
+    elif seen != source.sha256:
+        if delete:
+            path.unlink(missing_ok=True)
+        raise ChecksumError(
+            f"{label_of(source)}: sha256 mismatch: expected {source.sha256}, got {seen}"
+            + (f" (deleted {path})" if delete else f" (in {path})")
+        )
+    return Local(path, seen)
+
+
+def _content_range(value: str) -> tuple[int, int | None]:
+    """(first byte, total size or None) of a 206 response's Content-Range header."""
+    match = re.fullmatch(r"bytes (\d+)-\d+/(\d+|\*)", value.strip())
+    if match is None:
+        raise _Transient(f"unreadable Content-Range {value!r}; restarting")
+    return int(match[1]), None if match[2] == "*" else int(match[2])
+
+
+def _fetch_once(url: str, part: Path, session: requests.Session) -> bool:
+    """One GET of `url` into `part`, resuming it with a Range request; True if the body came whole."""
+    have = part.stat().st_size if part.exists() else 0
+    headers = {"Accept-Encoding": "identity"} | ({"Range": f"bytes={have}-"} if have else {})
+    with session.get(url, headers=headers, stream=True, timeout=TIMEOUT_S) as r:
+        if r.status_code in (404, 410):
+            raise NotFound(f"{url}: HTTP {r.status_code} {r.reason}")
+        if r.status_code == 416 and have:  # the partial file is no prefix the server can resume
+            part.unlink()
+            raise _Transient("HTTP 416 on resume; restarting")
+        if r.status_code == 429 or r.status_code >= 500:
+            raise _Transient(f"HTTP {r.status_code} {r.reason}")
+        if r.status_code not in (200, 206):
+            raise DownloadError(f"{url}: HTTP {r.status_code} {r.reason}")
+        if r.status_code == 206:
+            start, total = _content_range(r.headers.get("Content-Range", ""))
+            if start != have:
+                part.unlink(missing_ok=True)
+                raise _Transient(f"server resumed at byte {start}, not {have}; restarting")
+        else:
+            if have:
+                log.info("%s: server ignored the Range request; restarting from byte 0", url)
+            have, total = 0, int(r.headers["Content-Length"]) if "Content-Length" in r.headers else None
+        name = PurePosixPath(urllib.parse.urlsplit(url).path).name
+        with open(part, "ab" if have else "wb") as f, tqdm(
+            desc=name, total=total, initial=have, unit="B", unit_scale=True, unit_divisor=1024
+        ) as bar:
+            for chunk in r.raw.stream(CHUNK, decode_content=False):  # the bytes as served, never decoded
+                f.write(chunk)
+                bar.update(len(chunk))
+    return total is None or part.stat().st_size == total
+
+
+def download(url: str, dest: Path, session: requests.Session) -> None:
+    """Stream `url` to `dest` atomically via `dest.part`, resuming and retrying with exponential backoff."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    part = dest.with_name(dest.name + ".part")
+    log.info("downloading %s", url)
+    for attempt in range(1, TRIES + 1):
+        try:
+            if _fetch_once(url, part, session):
+                os.replace(part, dest)
+                return
+            reason = "connection closed before the whole body came"
+        except _RETRYABLE as e:
+            reason = str(e)
+        if attempt == TRIES:
+            kept = f" (partial file kept, a re-run resumes it: {part})" if part.exists() else ""
+            raise DownloadError(f"{url}: failed after {TRIES} tries: {reason}{kept}")
+        delay = BACKOFF_S * 2 ** (attempt - 1)
+        log.warning("%s: %s; retry %d of %d in %.1f s", url, reason, attempt, TRIES - 1, delay)
+        time.sleep(delay)
+
+
+def mirror_from_env() -> str | None:
+    """CORPUS_MIRROR: an http(s) base URL, an existing directory, or unset."""
+    mirror = os.environ.get(MIRROR_ENV) or None
+    if mirror and not _is_url(mirror) and not Path(mirror).is_dir():
+        raise DownloadError(f"{MIRROR_ENV}={mirror}: not a directory or an http(s) base URL")
+    return mirror
+
+
+def _is_url(mirror: str) -> bool:
+    """True for an http(s) mirror, False for a mirror directory."""
+    return mirror.startswith(("http://", "https://"))
+
+
+def _mirror_url(mirror: str, url: str) -> str:
+    """Where an http mirror serves `url`."""
+    parts = urllib.parse.urlsplit(url)
+    return f"{mirror.rstrip('/')}/{parts.netloc}{parts.path}"
+
+
+def _mirror_path(mirror: str, url: str) -> Path:
+    """Where a mirror directory holds `url` (the file, or the archive's members unpacked)."""
+    host, path = url_parts(url)
+    return Path(mirror) / host / path
+
+
+def _try_mirror(mirror_url: str, dest: Path, session: requests.Session) -> bool:
+    """Download from the http mirror; False (with a warning) if the mirror has no such file."""
+    try:
+        download(mirror_url, dest, session)
+        return True
+    except NotFound:
+        log.warning("%s: not in the %s; using the official URL", mirror_url, MIRROR_ENV)
+        return False
+
+
+def fetch_file(source: FileSource, cache: Path, mirror: str | None, session: requests.Session) -> Local:
+    """The verified local copy of a plain (non-archive) source: mirror dir, else cache, else download."""
+    if mirror and not _is_url(mirror):
+        local = _mirror_path(mirror, source.url)
+        if local.is_file():
+            log.info("%s: from %s", source.url, local)
+            return verify(local, source, delete=False)
+        log.warning("%s: no file %s in %s=%s; downloading it", source.url, local, MIRROR_ENV, mirror)
+    host, path = url_parts(source.url)
+    dest = cache / "files" / host / path
+    if dest.exists():
+        try:
+            return verify(dest, source, delete=True)
+        except ChecksumError as e:
+            log.warning("stale cache, downloading again: %s", e)
+    if not (mirror and _is_url(mirror) and _try_mirror(_mirror_url(mirror, source.url), dest, session)):
+        download(source.url, dest, session)
+    return verify(dest, source, delete=True)
+
+
+def fetch_members(
+    url: str, sources: list[FileSource], cache: Path, mirror: str | None, session: requests.Session
+) -> dict[FileSource, Local]:
+    """Verified local copies of members of one archive URL: mirror, cache, or one extraction pass."""
+    label = f"{url} (archive)"
+    host, path = url_parts(url)
+    archive: Path | None = None  # set if the mirror holds the archive file itself
+    if mirror and not _is_url(mirror):
+        root = _mirror_path(mirror, url)
+        if root.is_dir():  # the members, unpacked
+            log.info("%s: members from %s", url, root)
+            missing = [s.member for s in sources if not (root / s.member).is_file()]
+            if missing:
+                raise DownloadError(f"{label}: member(s) {missing} missing from the mirror directory {root}")
+            return {s: verify(root / s.member, s, delete=False) for s in sources}
+        if root.is_file():
+            archive = root
+        else:
+            log.warning("%s: nothing at %s in %s=%s; downloading it", url, root, MIRROR_ENV, mirror)
+    members = cache / "members" / host / path
+    out: dict[FileSource, Local] = {}
+    for s in sources:
+        if (members / s.member).exists():
+            try:
+                out[s] = verify(members / s.member, s, delete=True)
+            except ChecksumError as e:  # the cached archive it came from is suspect too
+                log.warning("stale cache, fetching again: %s", e)
+                (cache / "files" / host / path).unlink(missing_ok=True)
+    todo = [s for s in sources if s not in out]
+    if todo and mirror and _is_url(mirror):
+        for s in todo:
+            member_url = f"{_mirror_url(mirror, url)}/{urllib.parse.quote(s.member)}"
+            if _try_mirror(member_url, members / s.member, session):
+                out[s] = verify(members / s.member, s, delete=True)
+        todo = [s for s in sources if s not in out]
+    if todo:
+        cached = archive is None
+        if cached:
+            archive = cache / "files" / host / path
+            if not archive.exists():
+                download(url, archive, session)
+        extract_members(archive, [s.member for s in todo], members, label)
+        for s in todo:
+            try:
+                out[s] = verify(members / s.member, s, delete=True)
+            except ChecksumError:
+                if cached:  # nothing kept: the archive it came from goes too
+                    archive.unlink(missing_ok=True)
+                raise
+    return out
+
+
+# --- archives ---------------------------------------------------------------------
+
+
+def _check_member(info: tarfile.TarInfo, dest: Path, label: str) -> None:
+    """Refuse links, non-files and paths that would leave `dest`."""
+    if info.issym() or info.islnk():
+        kind = "symlink" if info.issym() else "hard link"
+        raise DownloadError(f"{label}: member {info.name} is a {kind} (to {info.linkname}); refusing to extract links")
+    if not info.isfile():
+        raise DownloadError(f"{label}: member {info.name} is not a regular file; refusing it")
+    if not safe_relpath(info.name):
+        raise DownloadError(f"{label}: member {info.name} would land outside {dest} (path traversal); refusing it")
+    try:
+        tarfile.data_filter(info, str(dest))  # Python's own safety rules for extraction, on top of ours
+    except tarfile.FilterError as e:
+        raise DownloadError(f"{label}: member {info.name}: {e}; refusing it") from None
+
+
+def extract_members(archive: Path, names: Iterable[str], dest: Path, label: str) -> None:
+    """Extract the named regular-file members of a tar archive to dest/<name> in one streaming pass."""
+    wanted = set(names)
+    log.info("extracting %s from %s", sorted(wanted), archive)
+    try:
+        with tarfile.open(archive, "r|*") as tar:
+            for info in tar:
+                name = info.name.removeprefix("./")
+                if name not in wanted:
+                    continue
+                _check_member(info, dest, label)
+                wanted.discard(name)
+                with tar.extractfile(info) as src, atomic_file(dest / name) as dst, tqdm(
+                    desc=PurePosixPath(name).name, total=info.size, unit="B", unit_scale=True, unit_divisor=1024
+                ) as bar:
+                    while chunk := src.read(CHUNK):
+                        dst.write(chunk)
+                        bar.update(len(chunk))
+                if not wanted:
+                    break
+    except (tarfile.TarError, EOFError, zlib.error) as e:
+        raise DownloadError(f"{label}: corrupt or truncated archive {archive}: {e}") from None
+    if wanted:
+        raise DownloadError(f"{label}: no member(s) {sorted(wanted)} in the archive")
