@@ -227,6 +227,13 @@ class Transformer(nn.Module):
                 nn.init.zeros_(p)
             elif p.dim() == 2 and "embedding" not in name and "learned_pe" not in name:
                 nn.init.xavier_uniform_(p)
+        for module in self.modules():  # fused W^Q|W^K|W^V: each block as if it stood alone
+            if isinstance(module, MultiHeadAttention):
+                fused = module.w_qkv if module.self_attention else module.w_kv
+                h = module.n_heads
+                sizes = [h * module.d_k, h * module.d_k, h * module.d_v][-(3 if module.self_attention else 2):]
+                for block in fused.weight.data.split(sizes, dim=0):
+                    nn.init.xavier_uniform_(block)
         nn.init.normal_(self.embedding.weight, std=self.d_model**-0.5)
         with torch.no_grad():
             self.embedding.weight[self.pad_id].zero_()

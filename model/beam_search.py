@@ -1,0 +1,223 @@
+"""Beam search with the GNMT length penalty, and greedy decoding (Sec. 6.1).
+
+The paper: beam size 4, length penalty alpha = 0.6, maximum output length =
+input length + 50, "terminating early when possible". Both searches are batched
+over sentences and beams: one `decode_step` per output position for the whole
+batch, each row of the decoder state one (sentence, beam) pair; a sentence that
+is finished is dropped from the state (`DecoderState.select`), so later steps
+cost less.
+
+Conventions (used everywhere below):
+- a hypothesis's length |Y| counts its generated tokens including EOS, not BOS;
+- score = log_prob / length_penalty(|Y|, alpha), log_prob including EOS's;
+- sentence i may generate at most max_len_i = floor(max_len_a * S_i + max_len_b)
+  tokens (EOS included; at least 1), S_i its non-pad source length; at that
+  position EOS is forced, so every returned hypothesis ends with EOS.
+
+`model` is a Transformer (model.transformer), or anything with its decoding API:
+`pad_id`, `training`, `encode`, `init_state`, `decode_step` (use_cache=True) and
+`decode`, `project` (use_cache=False).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class Hypothesis:
+    """One finished translation."""
+
+    tokens: list[int]  # output ids without BOS and without EOS
+    score: float  # log_prob / length_penalty(len(tokens) + 1, alpha)
+    log_prob: float  # sum of token log-probabilities (EOS included)
+
+
+def length_penalty(length: int | Tensor, alpha: float) -> float | Tensor:
+    """GNMT length penalty lp(|Y|) = ((5 + |Y|) / 6) ** alpha (Wu et al. 2016, Eq. 14)."""
+    return ((5 + length) / 6) ** alpha
+
+
+@dataclass
+class _PrefixState:
+    """Decoder 'state' for use_cache=False: the encoder output per row; the prefix is recomputed each step."""
+
+    memory: Tensor  # [R, S, D]
+    src_mask: Tensor  # [R, 1, 1, S]
+
+    def select(self, index: Tensor) -> _PrefixState:
+        return _PrefixState(self.memory.index_select(0, index), self.src_mask.index_select(0, index))
+
+
+def _start(model, src: Tensor, rows_per_sentence: int, use_cache: bool):
+    """Encode `src` once and return the decoder state with each sentence repeated `rows_per_sentence` times."""
+    memory, src_mask = model.encode(src)
+    state = model.init_state(memory, src_mask) if use_cache else _PrefixState(memory, src_mask)
+    repeat = torch.arange(src.shape[0], device=src.device).repeat_interleave(rows_per_sentence)
+    return state.select(repeat) if rows_per_sentence > 1 else state
+
+
+def _next_log_probs(model, prefix: Tensor, state, use_cache: bool):
+    """Log-probabilities of the next token after each row of `prefix` ([R, t], BOS first): ([R, V], state)."""
+    if use_cache:
+        logits, state = model.decode_step(prefix[:, -1], state)
+    else:
+        logits = model.project(model.decode(prefix, state.memory, state.src_mask)[:, -1])
+    return torch.log_softmax(logits.float(), dim=-1), state
+
+
+def _force_eos(log_probs: Tensor, at_max: Tensor, eos_id: int) -> Tensor:
+    """Rows `at_max` ([R] bool) may only emit EOS (keeping EOS's own log-probability)."""
+    if not at_max.any():
+        return log_probs
+    forced = torch.full_like(log_probs, float("-inf"))
+    forced[:, eos_id] = log_probs[:, eos_id]
+    return torch.where(at_max[:, None], forced, log_probs)
+
+
+def max_lengths(src: Tensor, pad_id: int, max_len_a: float, max_len_b: int) -> Tensor:
+    """floor(max_len_a * S_i + max_len_b) per sentence (at least 1), S_i the non-pad length of row i: [B]."""
+    src_len = (src != pad_id).sum(dim=1).double()
+    return torch.floor(max_len_a * src_len + max_len_b).long().clamp(min=1)
+
+
+def _check(model, src: Tensor) -> None:
+    assert not model.training, "decode with the model in eval mode (model.eval())"
+    if src.dim() != 2:
+        raise ValueError(f"src: expected token ids [B, S], got shape {tuple(src.shape)}")
+
+
+def beam_search(
+    model,
+    src: Tensor,
+    beam_size: int,
+    alpha: float,
+    max_len_a: float,
+    max_len_b: int,
+    bos_id: int,
+    eos_id: int,
+    use_cache: bool = True,
+) -> list[Hypothesis]:
+    """Best hypothesis per source sentence under score = log_prob / lp(|Y|), in input order.
+
+    Args:
+        src: [B, S] token ids padded with model.pad_id, each row ending with EOS.
+        use_cache: False recomputes the whole prefix with model.decode each step
+            (same tokens, slower; for the benchmark and a parity test).
+
+    Each step extends the K = beam_size live hypotheses of every sentence by
+    every token and keeps the 2K best (by log-prob): those among the top K that
+    end in EOS are finished; the K best that do not stay live. With K = 1 and
+    alpha = 0 this is exactly greedy decoding.
+
+    Early termination, per sentence: a live hypothesis with log-prob L after t
+    tokens can only lose log-probability, so any finished descendant of length
+    n (t < n <= max_len) scores at most L / lp(n) (L <= 0, lp(n) > 0). lp is
+    monotone in n, so the best it can reach is L / max(lp(t + 1), lp(max_len))
+    (= L / lp(max_len) for alpha > 0, L for alpha = 0). A sentence stops as soon
+    as its best finished score is >= this bound for its best live hypothesis
+    (largest L). All later hypotheses descend from the live ones, so stopping
+    there returns exactly what searching to max_len would.
+    """
+    _check(model, src)
+    if beam_size < 1:
+        raise ValueError(f"beam_size: expected >= 1, got {beam_size}")
+    K = beam_size
+    with torch.inference_mode():
+        B, device = src.shape[0], src.device
+        max_len = max_lengths(src, model.pad_id, max_len_a, max_len_b)  # [B]
+        state = _start(model, src, K, use_cache)
+        alive = torch.arange(B, device=device)  # original index of each live sentence, [n]
+        prefix = torch.full((B * K, 1), bos_id, dtype=torch.long, device=device)  # [n*K, t+1]
+        # All K beams start as the same empty prefix: only the first may expand at step 1.
+        beam_lp = torch.full((B, K), float("-inf"), device=device)  # [n, K]
+        beam_lp[:, 0] = 0.0
+        best_score = torch.full((B,), float("-inf"), device=device)
+        best: list[Hypothesis | None] = [None] * B
+        t = 0
+        while alive.numel():
+            t += 1  # tokens generated after this step
+            n = alive.numel()
+            log_probs, state = _next_log_probs(model, prefix, state, use_cache)  # [n*K, V]
+            log_probs = _force_eos(log_probs, (max_len[alive] == t).repeat_interleave(K), eos_id)
+            V = log_probs.shape[-1]
+            cand = (beam_lp[:, :, None] + log_probs.view(n, K, V)).view(n, K * V)  # [n, K*V]
+            cand_lp, cand_idx = cand.topk(min(2 * K, K * V), dim=1)  # [n, 2K], best first
+            cand_beam, cand_tok = cand_idx // V, cand_idx % V
+            is_eos = cand_tok == eos_id
+
+            # Finished: EOS among the top K (finite: forced rows have -inf elsewhere).
+            rank = torch.arange(cand_lp.shape[1], device=device)
+            finish = is_eos & (rank < K) & torch.isfinite(cand_lp)
+            fin_score = torch.where(finish, cand_lp / length_penalty(t, alpha), float("-inf"))
+            step_score, step_pos = fin_score.max(dim=1)  # [n]
+            improved = step_score > best_score[alive]
+            for i in improved.nonzero().flatten().tolist():
+                pos = step_pos[i]
+                row = i * K + cand_beam[i, pos]
+                best[int(alive[i])] = Hypothesis(prefix[row, 1:].tolist(), step_score[i].item(), cand_lp[i, pos].item())
+            best_score[alive] = torch.maximum(best_score[alive], step_score)
+
+            # Live: the K best candidates that do not end in EOS (at most K of the 2K do).
+            keep_pos = torch.where(is_eos, rank + 2 * K, rank).topk(K, dim=1, largest=False).values  # [n, K]
+            beam_lp = cand_lp.gather(1, keep_pos)
+            beam_row = torch.arange(n, device=device)[:, None] * K + cand_beam.gather(1, keep_pos)  # [n, K]
+            beam_tok = cand_tok.gather(1, keep_pos)
+
+            reachable_lp = length_penalty(max_len[alive].float(), alpha).clamp(min=length_penalty(t + 1, alpha))
+            bound = beam_lp[:, 0] / reachable_lp  # best score any live hypothesis can still reach, [n]
+            done = (best_score[alive] >= bound) | (max_len[alive] <= t)
+            if done.all():
+                break
+            keep = (~done).nonzero().flatten()
+            rows = beam_row[keep].flatten()  # [n'*K]
+            state = state.select(rows)
+            prefix = torch.cat([prefix[rows], beam_tok[keep].reshape(-1, 1)], dim=1)
+            beam_lp, alive = beam_lp[keep], alive[keep]
+        return best
+
+
+def greedy_search(
+    model,
+    src: Tensor,
+    max_len_a: float,
+    max_len_b: int,
+    bos_id: int,
+    eos_id: int,
+    use_cache: bool = True,
+) -> list[Hypothesis]:
+    """The most probable next token at every step, in input order; score = log_prob (no length penalty).
+
+    src: [B, S] token ids padded with model.pad_id. Finished sentences leave the batch.
+    """
+    _check(model, src)
+    with torch.inference_mode():
+        B, device = src.shape[0], src.device
+        max_len = max_lengths(src, model.pad_id, max_len_a, max_len_b)
+        state = _start(model, src, 1, use_cache)
+        alive = torch.arange(B, device=device)
+        prefix = torch.full((B, 1), bos_id, dtype=torch.long, device=device)  # [n, t+1]
+        log_prob = torch.zeros(B, device=device)
+        result: list[Hypothesis | None] = [None] * B
+        t = 0
+        while alive.numel():
+            t += 1
+            log_probs, state = _next_log_probs(model, prefix, state, use_cache)
+            log_probs = _force_eos(log_probs, max_len[alive] == t, eos_id)
+            step_lp, tok = log_probs.max(dim=-1)  # [n]
+            log_prob = log_prob + step_lp
+            done = tok == eos_id
+            for i in done.nonzero().flatten().tolist():
+                lp = log_prob[i].item()
+                result[int(alive[i])] = Hypothesis(prefix[i, 1:].tolist(), lp, lp)
+            keep = (~done).nonzero().flatten()
+            if not keep.numel():
+                break
+            if keep.numel() < done.numel():
+                state = state.select(keep)
+            prefix = torch.cat([prefix[keep], tok[keep, None]], dim=1)
+            log_prob, alive = log_prob[keep], alive[keep]
+        return result

@@ -1,0 +1,201 @@
+"""Beam search and greedy decoding (model/beam_search.py) on tiny random models and scripted ones."""
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+from torch import nn
+
+from model.beam_search import beam_search, greedy_search, length_penalty
+from model.transformer import build_transformer
+
+PAD, UNK, BOS, EOS, A, B = 0, 1, 2, 3, 4, 5
+V = 40
+
+
+def tiny_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    cfg = dict(n_layers=2, d_model=16, d_ff=32, n_heads=2, d_k=8, d_v=8, dropout=0.1,
+               positional_encoding="sinusoidal", max_positions=128)
+    return build_transformer(V, **cfg).eval()
+
+
+def sources(lengths: list[int], seed: int = 0) -> torch.Tensor:
+    """Padded source batch whose row i has lengths[i] real tokens, the last one EOS: [B, max(lengths)]."""
+    g = torch.Generator().manual_seed(seed)
+    src = torch.full((len(lengths), max(lengths)), PAD)
+    for i, n in enumerate(lengths):
+        src[i, : n - 1] = torch.randint(4, V, (n - 1,), generator=g)
+        src[i, n - 1] = EOS
+    return src
+
+
+def rescore(model, src_row: torch.Tensor, tokens: list[int], alpha: float) -> tuple[float, float]:
+    """(log_prob, score) of `tokens` + EOS given one source sentence, from one full forward pass."""
+    src_row = src_row[src_row != PAD]
+    tgt_in, targets = torch.tensor([[BOS] + tokens]), torch.tensor([tokens + [EOS]])
+    with torch.no_grad():
+        log_probs = torch.log_softmax(model(src_row[None], tgt_in), dim=-1)
+    log_prob = log_probs.gather(2, targets[..., None]).sum().item()
+    return log_prob, log_prob / length_penalty(len(tokens) + 1, alpha)
+
+
+def test_length_penalty_is_the_gnmt_formula():
+    assert length_penalty(1, 0.6) == 1.0
+    assert math.isclose(length_penalty(7, 0.6), 2**0.6)
+    assert math.isclose(length_penalty(10, 0.6), (15 / 6) ** 0.6)
+    assert length_penalty(30, 0.0) == 1.0
+    torch.testing.assert_close(length_penalty(torch.tensor([1.0, 7.0]), 1.0), torch.tensor([1.0, 2.0]))
+
+
+def test_beam_size_one_equals_greedy():
+    """With alpha = 0 (greedy has no length penalty); with alpha > 0, K = 1 may keep searching past an EOS."""
+    model, src = tiny_model(), sources([4, 9, 6, 2, 7, 5, 8, 3], seed=1)
+    greedy = greedy_search(model, src, 1.0, 6, BOS, EOS)
+    beam = beam_search(model, src, 1, 0.0, 1.0, 6, BOS, EOS)
+    assert [h.tokens for h in beam] == [h.tokens for h in greedy]
+    for b, g in zip(beam, greedy):
+        assert math.isclose(b.log_prob, g.log_prob, rel_tol=1e-5)
+
+
+def test_beam_of_four_scores_at_least_as_high_as_greedy():
+    model, src, alpha = tiny_model(seed=2), sources([4, 9, 6, 2, 7, 5, 8, 3], seed=2), 0.6
+    beam = beam_search(model, src, 4, alpha, 1.0, 6, BOS, EOS)
+    greedy = greedy_search(model, src, 1.0, 6, BOS, EOS)
+    better = 0
+    for row, b, g in zip(src, beam, greedy):
+        b_log_prob, b_score = rescore(model, row, b.tokens, alpha)
+        _, g_score = rescore(model, row, g.tokens, alpha)
+        assert math.isclose(b.log_prob, b_log_prob, rel_tol=1e-4) and math.isclose(b.score, b_score, rel_tol=1e-4)
+        assert b_score >= g_score - 1e-5
+        better += b_score > g_score + 1e-5
+    assert better > 0  # the search found something greedy missed
+
+
+class NoEos(nn.Module):
+    """A model that (almost) never wants EOS: every output runs to the maximum length."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model, self.pad_id = model, model.pad_id
+
+    def encode(self, src):
+        return self.model.encode(src)
+
+    def init_state(self, memory, src_mask):
+        return self.model.init_state(memory, src_mask)
+
+    def decode_step(self, tokens, state):
+        logits, state = self.model.decode_step(tokens, state)
+        return logits - 1e4 * (torch.arange(logits.shape[-1]) == EOS), state
+
+
+@pytest.mark.parametrize("search", ["beam", "greedy"])
+def test_maximum_length_follows_each_sentences_source_length(search):
+    lengths, a, b = [3, 5, 6, 2], 1.5, 2
+    model, src = NoEos(tiny_model()).eval(), sources([3, 5, 6, 2], seed=3)
+    if search == "beam":
+        hyps = beam_search(model, src, 3, 0.6, a, b, BOS, EOS)
+    else:
+        hyps = greedy_search(model, src, a, b, BOS, EOS)
+    # Every output hits its own bound floor(a * S_i + b), EOS counted, and EOS is forced there.
+    assert [len(h.tokens) + 1 for h in hyps] == [math.floor(a * n + b) for n in lengths] == [6, 9, 11, 5]
+    assert all(EOS not in h.tokens for h in hyps)
+
+
+@dataclass
+class ScriptedState:
+    k: torch.Tensor  # [R] step at which EOS becomes likely, per row
+    position: int
+
+    def select(self, index: torch.Tensor) -> "ScriptedState":
+        return ScriptedState(self.k.index_select(0, index), self.position)
+
+
+class Scripted(nn.Module):
+    """Next-token distribution set by the step t alone: before step k, A 0.7 and B 0.3; from k on, EOS 0.5,
+    A 0.3, B 0.2 (PAD, UNK, BOS never). k is the first source token's id. Records the rows of every call."""
+
+    pad_id = PAD
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[int] = []
+
+    def encode(self, src):
+        return src[:, :1, None].float(), (src != PAD)[:, None, None, :]
+
+    def init_state(self, memory, src_mask):
+        return ScriptedState(memory[:, 0, 0].long(), 0)
+
+    def decode_step(self, tokens, state):
+        self.calls.append(len(tokens))
+        state.position += 1
+        early = torch.tensor([0, 0, 0, 0, 0.7, 0.3]).log()
+        late = torch.tensor([0, 0, 0, 0.5, 0.3, 0.2]).log()
+        return torch.where((state.position >= state.k)[:, None], late, early), state
+
+
+def scripted_source(k: int, length: int) -> list[int]:
+    return [k] + [A] * (length - 2) + [EOS]
+
+
+def test_early_termination_without_length_penalty_stops_at_the_first_eos():
+    """alpha = 0: the first EOS (A^(k-1) EOS) beats every live hypothesis, so sentence i stops at step k_i."""
+    model = Scripted().eval()
+    src = torch.tensor([scripted_source(2, 5), scripted_source(4, 5)])
+    hyps = beam_search(model, src, 2, 0.0, 1.0, 50, BOS, EOS)  # max length 55
+    assert model.calls == [4, 4, 2, 2]  # the first sentence leaves the batch after step 2
+    assert [h.tokens for h in hyps] == [[A], [A, A, A]]
+    assert math.isclose(hyps[1].log_prob, 3 * math.log(0.7) + math.log(0.5), rel_tol=1e-6)
+
+
+def test_early_termination_with_length_penalty_stops_when_the_bound_allows():
+    """alpha = 0.6: the best live hypothesis after t >= k steps is A^t, log-prob L_t = (k-1) log .7 +
+    (t-k+1) log .3, and may still reach L_t / lp(max_len); the best finished is max over s <= t of
+    ((k-1) log .7 + (s-k) log .3 + log .5) / lp(s). The search must stop at the first t where the
+    finished one is at least the bound, not earlier, not at max_len."""
+    k, alpha, max_len = 3, 0.6, 55
+    finished, expected_steps = float("-inf"), None
+    for t in range(k, max_len + 1):
+        L_k = (k - 1) * math.log(0.7)
+        finished = max(finished, (L_k + (t - k) * math.log(0.3) + math.log(0.5)) / length_penalty(t, alpha))
+        if finished >= (L_k + (t - k + 1) * math.log(0.3)) / length_penalty(max_len, alpha):
+            expected_steps = t
+            break
+    assert expected_steps == 6  # k < 6 < max_len: the bound, not the first EOS or the length, decides
+    model = Scripted().eval()
+    (hyp,) = beam_search(model, torch.tensor([scripted_source(k, 5)]), 2, alpha, 1.0, 50, BOS, EOS)
+    assert len(model.calls) == expected_steps
+    assert hyp.tokens == [A, A] and math.isclose(hyp.score, finished, rel_tol=1e-6)
+
+
+@pytest.mark.parametrize("search", ["beam", "greedy"])
+def test_cached_and_uncached_search_give_identical_tokens(search):
+    model, src = tiny_model(seed=4), sources([4, 9, 6, 2, 7], seed=4)
+    if search == "beam":
+        cached, uncached = (beam_search(model, src, 4, 0.6, 1.0, 8, BOS, EOS, use_cache=c) for c in (True, False))
+    else:
+        cached, uncached = (greedy_search(model, src, 1.0, 8, BOS, EOS, use_cache=c) for c in (True, False))
+    assert [h.tokens for h in cached] == [h.tokens for h in uncached]
+    for c, u in zip(cached, uncached):
+        assert math.isclose(c.score, u.score, rel_tol=1e-4)
+
+
+def test_batched_results_equal_one_sentence_at_a_time_in_input_order():
+    model, lengths = tiny_model(seed=5), [4, 9, 6, 2, 7, 3]
+    src = sources(lengths, seed=5)
+    batched = beam_search(model, src, 4, 0.6, 1.0, 8, BOS, EOS)
+    for row, n, hyp in zip(src, lengths, batched):
+        (alone,) = beam_search(model, row[None, :n], 4, 0.6, 1.0, 8, BOS, EOS)
+        assert alone.tokens == hyp.tokens and math.isclose(alone.score, hyp.score, rel_tol=1e-4)
+    reversed_ = beam_search(model, src.flip(0), 4, 0.6, 1.0, 8, BOS, EOS)
+    assert [h.tokens for h in reversed_] == [h.tokens for h in reversed(batched)]
+    assert len({tuple(h.tokens) for h in batched}) > 1  # distinct outputs, so order is actually tested
+
+
+def test_training_mode_is_refused():
+    model = tiny_model().train()
+    with pytest.raises(AssertionError, match="eval"):
+        beam_search(model, sources([3]), 2, 0.6, 1.0, 5, BOS, EOS)

@@ -1,0 +1,192 @@
+"""The Transformer of model/transformer.py against the paper's formulas (Sec. 3) and its own full pass."""
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from model.transformer import MultiHeadAttention, build_transformer, padding_mask, sinusoidal_encoding
+from stages.config import compose
+
+PAD, BOS, EOS = 0, 2, 3
+V = 40
+
+
+def tiny_model(seed: int = 0, **overrides) -> torch.nn.Module:
+    """d_model 16, 2 layers, d_k != d_v so that a mixed-up projection shows; eval mode (no dropout)."""
+    torch.manual_seed(seed)
+    cfg = dict(n_layers=2, d_model=16, d_ff=32, n_heads=2, d_k=8, d_v=6, dropout=0.1,
+               positional_encoding="sinusoidal", max_positions=64)
+    return build_transformer(V, **{**cfg, **overrides}).eval()
+
+
+def random_tokens(B: int, L: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Ids of ordinary tokens (no PAD/UNK/BOS/EOS), [B, L]."""
+    return torch.randint(4, V, (B, L), generator=generator)
+
+
+def reference_attention(q, k, v, mask, explicit: bool):
+    """softmax(Q K^T / sqrt(d_k)) V written out, or through F.scaled_dot_product_attention."""
+    if not explicit:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    return scores.masked_fill(~mask, float("-inf")).softmax(dim=-1) @ v
+
+
+def split_heads(x, H):
+    B, L, _ = x.shape
+    return x.view(B, L, H, -1).transpose(1, 2)
+
+
+def test_self_attention_matches_hand_implementation():
+    torch.manual_seed(0)
+    D, H, d_k, d_v, B, L = 16, 2, 8, 6, 3, 5
+    mha = MultiHeadAttention(D, H, d_k, d_v, self_attention=True)
+    x = torch.randn(B, L, D)
+    lengths = torch.tensor([5, 3, 1])
+    key_mask = (torch.arange(L)[None, :] < lengths[:, None])[:, None, None, :]  # [B, 1, 1, L]
+    causal = torch.ones(L, L, dtype=torch.bool).tril()
+    W, b = mha.w_qkv.weight, mha.w_qkv.bias
+    W_q, W_k, W_v = W.split([H * d_k, H * d_k, H * d_v])
+    b_q, b_k, b_v = b.split([H * d_k, H * d_k, H * d_v])
+    q, k, v = (split_heads(x @ w.t() + bias, H) for w, bias in ((W_q, b_q), (W_k, b_k), (W_v, b_v)))
+    for mask, is_causal in ((key_mask, False), (causal.expand(B, 1, L, L), True)):
+        ours = mha(x, None if is_causal else mask, causal=is_causal)
+        for explicit in (False, True):
+            heads = reference_attention(q, k, v, mask, explicit)  # [B, H, L, d_v]
+            ref = mha.w_o(heads.transpose(1, 2).reshape(B, L, H * d_v))
+            torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_cross_attention_matches_hand_implementation_and_weights_sum_to_one():
+    torch.manual_seed(1)
+    D, H, d_k, d_v, B, T, S = 16, 4, 4, 5, 2, 3, 6
+    mha = MultiHeadAttention(D, H, d_k, d_v, self_attention=False)
+    y, memory = torch.randn(B, T, D), torch.randn(B, S, D)
+    mask = (torch.arange(S)[None, :] < torch.tensor([6, 2])[:, None])[:, None, None, :]
+    q = split_heads(mha.w_q(y), H)
+    W_k, W_v = mha.w_kv.weight.split([H * d_k, H * d_v])
+    b_k, b_v = mha.w_kv.bias.split([H * d_k, H * d_v])
+    k, v = split_heads(memory @ W_k.t() + b_k, H), split_heads(memory @ W_v.t() + b_v, H)
+    ours = mha(y, mask, memory=memory)
+    for explicit in (False, True):
+        ref = mha.w_o(reference_attention(q, k, v, mask, explicit).transpose(1, 2).reshape(B, T, H * d_v))
+        torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+    weights = mha.weights(y, memory, mask)  # [B, H, T, S]
+    torch.testing.assert_close(weights.sum(-1), torch.ones(B, H, T))
+    assert torch.all(weights[1, :, :, 2:] == 0)
+
+
+def test_future_target_tokens_do_not_change_earlier_logits():
+    model = tiny_model()
+    g = torch.Generator().manual_seed(0)
+    src, tgt = random_tokens(2, 7, g), random_tokens(2, 6, g)
+    changed = tgt.clone()
+    changed[:, 3:] = random_tokens(2, 3, g)
+    with torch.no_grad():
+        a, b = model(src, tgt), model(src, changed)
+    torch.testing.assert_close(a[:, :3], b[:, :3], rtol=0, atol=1e-6)
+    assert (a[:, 3:] - b[:, 3:]).abs().max() > 1e-3  # the later positions do see their own tokens
+
+
+def test_tokens_behind_the_source_mask_do_not_matter():
+    """Keep the mask of `src` but feed other ids at its padded positions: real positions are unchanged."""
+    model = tiny_model()
+    g = torch.Generator().manual_seed(1)
+    src, tgt = random_tokens(2, 6, g), random_tokens(2, 4, g)
+    src[1, 4:] = PAD
+    mask = padding_mask(src, PAD)
+    other = src.clone()
+    other[1, 4:] = random_tokens(1, 2, g)
+
+    def encode_with(tokens):
+        x = model.embed(tokens)
+        for layer in model.encoder:
+            x = layer(x, mask)
+        return x
+
+    with torch.no_grad():
+        memory, changed = encode_with(src), encode_with(other)
+        torch.testing.assert_close(memory, model.encode(src)[0])
+        torch.testing.assert_close(memory[1, :4], changed[1, :4], rtol=0, atol=1e-6)
+        torch.testing.assert_close(model.decode(tgt, memory, mask), model.decode(tgt, changed, mask), rtol=0, atol=1e-6)
+
+
+def test_extra_padding_leaves_outputs_unchanged():
+    model = tiny_model()
+    g = torch.Generator().manual_seed(2)
+    src, tgt = random_tokens(2, 5, g), random_tokens(2, 4, g)
+    padded = torch.cat([src, torch.full((2, 3), PAD)], dim=1)
+    with torch.no_grad():
+        memory, padded_memory = model.encode(src)[0], model.encode(padded)[0]
+        torch.testing.assert_close(memory, padded_memory[:, :5], rtol=0, atol=1e-5)
+        torch.testing.assert_close(model(src, tgt), model(padded, tgt), rtol=0, atol=1e-5)
+    # A short sentence padded inside a batch decodes as it does alone.
+    alone = src[:1, :3]
+    batch = torch.cat([torch.cat([alone, torch.full((1, 2), PAD)], dim=1), src[1:]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(alone, tgt[:1]), model(batch, tgt)[:1], rtol=0, atol=1e-5)
+
+
+def test_sinusoidal_encoding_matches_the_formula():
+    d_model = 16
+    pe = sinusoidal_encoding(60, d_model)
+    for pos in (0, 1, 7, 59):
+        for i in (0, 1, 5, 7):
+            angle = pos / 10000 ** (2 * i / d_model)
+            assert math.isclose(pe[pos, 2 * i].item(), math.sin(angle), abs_tol=1e-6)
+            assert math.isclose(pe[pos, 2 * i + 1].item(), math.cos(angle), abs_tol=1e-6)
+
+
+def test_embedding_is_shared_and_scaled_by_sqrt_d_model():
+    model = tiny_model()
+    matrices = [p for p in model.parameters() if p.shape == (V, 16)]
+    assert len(matrices) == 1  # one [V, D] matrix: no separate output layer
+    src = torch.tensor([[4, 5, 6, 7]])  # source-only ids
+    tgt = torch.tensor([[BOS, 20, 21]])  # target-only ids
+    with torch.no_grad():
+        expected = model.embedding.weight[src] * math.sqrt(16) + sinusoidal_encoding(64, 16)[:4]
+        torch.testing.assert_close(model.embed(src), expected)
+        hidden = torch.randn(3, 16)
+        torch.testing.assert_close(model.project(hidden), hidden @ model.embedding.weight.t())
+        # The one matrix feeds the encoder input and the decoder input too.
+        memory, mask = model.encode(src)
+        decoded = model.decode(tgt, memory, mask)
+        model.embedding.weight[5] += 1.0
+        assert (model.encode(src)[0] - memory).abs().max() > 1e-3
+        model.embedding.weight[20] += 1.0
+        assert (model.decode(tgt, memory, mask) - decoded).abs().max() > 1e-3
+
+
+def test_incremental_decoding_equals_the_full_pass_also_after_select():
+    model = tiny_model()
+    g = torch.Generator().manual_seed(3)
+    src, tgt = random_tokens(3, 6, g), random_tokens(3, 7, g)
+    src[2, 3:] = PAD
+    tgt[:, 0] = BOS
+    with torch.no_grad():
+        full = model(src, tgt)  # [B, T, V]
+        memory, src_mask = model.encode(src)
+        state = model.init_state(memory, src_mask)
+        order = torch.tensor([2, 0, 0])  # reorder and repeat rows halfway, as beam search does
+        for t in range(tgt.shape[1]):
+            if t == 3:
+                state = state.select(order)
+            rows = order if t >= 3 else torch.arange(3)
+            logits, state = model.decode_step(tgt[rows, t], state)
+            assert (logits - full[rows, t]).abs().max() < 1e-5
+        assert state.position == tgt.shape[1]
+
+
+def parameter_count(experiment: str) -> int:
+    cfg = compose([f"experiment={experiment}"])
+    with torch.device("meta"):  # count without allocating 213M floats
+        model = build_transformer(cfg["tokenize"]["vocab_size"], **cfg["model"])
+    return sum(p.numel() for p in model.parameters())
+
+
+def test_parameter_counts_match_the_paper():
+    assert compose(["experiment=wmt14_en_de_base"])["tokenize"]["vocab_size"] == 37000
+    base, big = parameter_count("wmt14_en_de_base"), parameter_count("wmt14_en_de_big")
+    assert abs(base - 65e6) / 65e6 < 0.03, base  # Table 3: 65M
+    assert abs(big - 213e6) / 213e6 < 0.03, big  # Table 3: 213M
