@@ -1,0 +1,120 @@
+"""Average the last checkpoints into the one model that is evaluated (Sec. 6.1).
+
+    python -m stages.average --checkpoints data/checkpoints --out data/model [--params params.yaml]
+
+Reads params `average` (AverageConfig). Sec. 6.1: "For the base models, we used
+a single model obtained by averaging the last 5 checkpoints ... For the big
+models, we averaged the last 20 checkpoints." The parameter-wise mean of the
+newest `last_n` complete checkpoints (stages.checkpoint skips truncated or
+unsealed files with a warning), loaded one at a time, summed in float64 and
+cast back to each tensor's dtype, so `last_n: 1` returns the newest weights bit
+for bit. Checkpoints that disagree in their tensors' names or shapes, their
+params_hash, model_config or vocab_size are refused, naming the files.
+
+data/model/ (replaced whole, atomically):
+    model.pt        {"model", "model_config", "vocab_size", "steps", "params_hash"}
+    averaged.json   the steps and files averaged
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from stages import config, tracking
+from stages.checkpoint import complete_checkpoints, load_checkpoint
+from stages.config import AverageConfig, ParamsError
+from stages.files import atomic_dir, write_json
+
+log = logging.getLogger(__name__)
+
+HEADER_KEYS = ("params_hash", "model_config", "vocab_size")  # must agree between averaged checkpoints
+
+
+class AverageError(ValueError):
+    """The checkpoints cannot be averaged; the message names the files and what differs."""
+
+
+def select_checkpoints(directory: Path, last_n: int) -> list[Path]:
+    """The newest `last_n` complete checkpoints, oldest first."""
+    complete = complete_checkpoints(directory)
+    if len(complete) < last_n:
+        found = ", ".join(p.name for p in complete) or "none"
+        raise AverageError(
+            f"{directory}: average.last_n = {last_n} but only {len(complete)} complete checkpoint(s) ({found}); "
+            "train longer or lower average.last_n"
+        )
+    return complete[-last_n:]
+
+
+def layout(ckpt: dict) -> dict:
+    """What must agree between averaged checkpoints: the header and each tensor's dtype and shape."""
+    tensors = {name: (t.dtype, list(t.shape)) for name, t in ckpt["model"].items()}
+    return {**{key: ckpt.get(key) for key in HEADER_KEYS}, "tensors": tensors}
+
+
+def mismatch(a: dict, b: dict) -> str | None:
+    """What differs between two layouts, or None."""
+    for key in HEADER_KEYS:
+        if a[key] != b[key]:
+            return f"{key} differs ({a[key]!r} vs {b[key]!r})"
+    only_a = sorted(a["tensors"].keys() - b["tensors"].keys())
+    only_b = sorted(b["tensors"].keys() - a["tensors"].keys())
+    if only_a or only_b:
+        return f"tensor names differ (only in the first: {only_a}; only in the second: {only_b})"
+    for name, (dtype, shape) in a["tensors"].items():
+        if (dtype, shape) != b["tensors"][name]:
+            return f"{name} is {dtype} {shape} vs {b['tensors'][name][0]} {b['tensors'][name][1]}"
+    return None
+
+
+def average_checkpoints(paths: list[Path]) -> dict:
+    """The averaged model: the mean of each tensor over `paths`, accumulated in float64."""
+    first: dict = {}
+    sums: dict[str, torch.Tensor] = {}
+    steps = []
+    for path in tqdm(paths, desc="average", unit="checkpoint"):
+        ckpt = load_checkpoint(path)
+        if not first:
+            first = layout(ckpt)
+            sums = {name: t.to(torch.float64, copy=True) for name, t in ckpt["model"].items()}
+        elif problem := mismatch(first, layout(ckpt)):
+            raise AverageError(f"cannot average {paths[0]} with {path}: {problem}")
+        else:
+            for name, t in ckpt["model"].items():
+                sums[name] += t.to(torch.float64)
+        steps.append(int(ckpt["step"]))
+        del ckpt
+    model = {name: (s / len(paths)).to(first["tensors"][name][0]) for name, s in sums.items()}
+    return {"model": model, "steps": steps, **{key: first[key] for key in HEADER_KEYS}}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--checkpoints", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--params", type=Path, default=Path("params.yaml"))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cfg = config.load(args.params, "average", AverageConfig)
+    if cfg.last_n < 1:
+        raise ParamsError(f"{args.params}: average.last_n = {cfg.last_n}: expected at least 1")
+    with tracking.stage_run("average", args.params) as run:
+        run.log_params({"average": asdict(cfg)})
+        paths = select_checkpoints(args.checkpoints, cfg.last_n)
+        averaged = average_checkpoints(paths)
+        with atomic_dir(args.out) as tmp:
+            torch.save(averaged, tmp / "model.pt")
+            write_json(tmp / "averaged.json", {"steps": averaged["steps"], "checkpoints": [p.name for p in paths]})
+        log.info("averaged steps %s into %s", averaged["steps"], args.out / "model.pt")
+        run.log_metrics({"averaged_checkpoints": len(paths), "first_step": averaged["steps"][0],
+                         "last_step": averaged["steps"][-1]})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""Score the translations: sacreBLEU and chrF, plus the paper's tokenized BLEU.
+
+    python -m stages.evaluate --translations data/translations --raw data/raw --metrics metrics/eval.json [--params params.yaml]
+
+Reads params `evaluate` (EvaluateConfig) and `data.tgt_lang`. For the test and
+valid splits, data/translations/{split}.{tgt} (detokenized hypotheses) is
+scored against the raw references data/raw/{split}.{tgt}:
+
+- `bleu`, `chrf`: sacreBLEU on detokenized text (tokenizer `evaluate.tokenize`,
+  mixed case), with its signature: the numbers to compare across papers.
+- `bleu_tokenized`: the paper's number (Sec. 6.1 used tensor2tensor's
+  get_ende_bleu.sh): both sides Moses-tokenized as `tokenizer.perl -l {tgt}`
+  does by default (escaping & < > ' " [ ] |), hyphenated compounds split with
+  `s{(\\S)-(\\S)}{$1 ##AT##-##AT## $2}g`, then multi-bleu.perl (BLEU on
+  whitespace tokens, no smoothing).
+
+metrics/eval.json is flat: the test set under plain keys (bleu, chrf,
+bleu_tokenized, signature, chrf_signature), the dev set as valid_bleu,
+valid_chrf, valid_bleu_tokenized. The last line on stdout is
+`BLEU = xx.x (sacreBLEU signature: ...)`. A hypothesis file that is empty or
+whose line count differs from its reference is an error, and no metrics are
+written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from sacrebleu.metrics import BLEU, CHRF
+from sacremoses import MosesTokenizer
+
+from stages import config, tracking
+from stages.config import DataConfig, EvaluateConfig
+from stages.files import write_json
+
+log = logging.getLogger(__name__)
+
+SPLITS = {"test": "", "valid": "valid_"}  # split -> metrics key prefix
+
+# get_ende_bleu.sh runs `perl -ple` on bytes: \S is "not ASCII whitespace" (re.ASCII),
+# and /g, like re.sub, resumes after each match, so "a-b-c" -> "a ##AT##-##AT## b-c".
+COMPOUND = re.compile(r"(\S)-(\S)", re.ASCII)
+
+
+class EvaluateError(ValueError):
+    """Translations and references do not line up; the message names the files."""
+
+
+@dataclass(frozen=True)
+class Scores:
+    """The scores of one split."""
+
+    bleu: float
+    chrf: float
+    bleu_tokenized: float
+    signature: str
+    chrf_signature: str
+
+
+def read_lines(path: Path) -> list[str]:
+    """The lines of a UTF-8 file without their newlines; a missing file is an error naming it."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise EvaluateError(f"{path}: missing") from None
+    except UnicodeDecodeError as e:
+        line = path.read_bytes()[: e.start].count(b"\n") + 1
+        raise EvaluateError(f"{path}:{line}: not valid UTF-8 ({e.reason})") from None
+    lines = text.split("\n")  # not splitlines(): U+2028 and friends are not line breaks here
+    return lines[:-1] if lines[-1] == "" else lines
+
+
+def read_pair(hyp_path: Path, ref_path: Path) -> tuple[list[str], list[str]]:
+    """Hypotheses and references, after checking that there are some and that they align."""
+    hyps, refs = read_lines(hyp_path), read_lines(ref_path)
+    if not hyps or len(hyps) != len(refs):
+        raise EvaluateError(
+            f"{hyp_path} has {len(hyps)} lines but the reference {ref_path} has {len(refs)}: "
+            "expected one translation per reference line"
+        )
+    return hyps, refs
+
+
+def split_compounds(tokenized: str) -> str:
+    """tensor2tensor's ATAT convention: "rich-text" -> "rich ##AT##-##AT## text"."""
+    return COMPOUND.sub(r"\1 ##AT##-##AT## \2", tokenized)
+
+
+def paper_tokenize(lines: list[str], lang: str) -> list[str]:
+    """`tokenizer.perl -l lang` (default escaping) then compound splitting, line by line."""
+    moses = MosesTokenizer(lang=lang)
+    return [split_compounds(moses.tokenize(line, return_str=True, escape=True)) for line in lines]
+
+
+def tokenized_bleu(hyps: list[str], refs: list[str], lang: str) -> float:
+    """get_ende_bleu.sh: Moses tokenization, ATAT compounds, multi-bleu.perl (no smoothing)."""
+    bleu = BLEU(tokenize="none", smooth_method="none")
+    return bleu.corpus_score(paper_tokenize(hyps, lang), [paper_tokenize(refs, lang)]).score
+
+
+def score(hyps: list[str], refs: list[str], lang: str, tokenize: str) -> Scores:
+    """sacreBLEU BLEU and chrF with their signatures, and the paper's tokenized BLEU."""
+    bleu, chrf = BLEU(tokenize=tokenize), CHRF()
+    bleu_score, chrf_score = bleu.corpus_score(hyps, [refs]), chrf.corpus_score(hyps, [refs])
+    return Scores(
+        bleu=bleu_score.score,
+        chrf=chrf_score.score,
+        bleu_tokenized=tokenized_bleu(hyps, refs, lang),
+        signature=str(bleu.get_signature()),
+        chrf_signature=str(chrf.get_signature()),
+    )
+
+
+def evaluate(translations: Path, raw: Path, lang: str, tokenize: str) -> dict:
+    """Flat metrics for every split; nothing is returned unless every split could be read."""
+    pairs = {split: read_pair(translations / f"{split}.{lang}", raw / f"{split}.{lang}") for split in SPLITS}
+    metrics: dict = {}
+    for split, prefix in SPLITS.items():
+        s = score(*pairs[split], lang, tokenize)
+        log.info("%s: BLEU %.2f, chrF %.2f, tokenized BLEU %.2f (%d sentences)",
+                 split, s.bleu, s.chrf, s.bleu_tokenized, len(pairs[split][0]))
+        metrics.update({f"{prefix}bleu": s.bleu, f"{prefix}chrf": s.chrf, f"{prefix}bleu_tokenized": s.bleu_tokenized})
+        if not prefix:
+            metrics.update(signature=s.signature, chrf_signature=s.chrf_signature)
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--translations", type=Path, required=True)
+    parser.add_argument("--raw", type=Path, required=True)
+    parser.add_argument("--metrics", type=Path, required=True)
+    parser.add_argument("--params", type=Path, default=Path("params.yaml"))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cfg = config.load(args.params, "evaluate", EvaluateConfig)
+    lang = config.load(args.params, "data", DataConfig).tgt_lang
+    with tracking.stage_run("evaluate", args.params) as run:
+        run.log_params({"evaluate": asdict(cfg), "data": {"tgt_lang": lang}})
+        metrics = evaluate(args.translations, args.raw, lang, cfg.tokenize)
+        write_json(args.metrics, metrics)
+        run.log_metrics({k: v for k, v in metrics.items() if isinstance(v, float)})
+    print(f"BLEU = {metrics['bleu']:.1f} (sacreBLEU signature: {metrics['signature']})", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,219 @@
+"""Translate the test and valid sets with the averaged model and beam search (Sec. 6.1).
+
+    python -m stages.translate --model data/model --tokenized data/tokenized --raw data/raw --out data/translations [--params params.yaml]
+
+Reads params `translate` (TranslateConfig): beam_size, length_penalty (alpha),
+the output length limit max_len_a * S + max_len_b and max_tokens. Each split's
+encoded source ids (data/tokenized/{split}.{src}, plus EOS) are sorted longest
+first and cut into batches of at most `max_tokens` padded source tokens and
+at most max_tokens // beam_size sentences (so that the decoder's beam_size rows
+per sentence stay within max_tokens rows too); each batch is one batched beam
+search (model/beam_search.py). Outputs go back to the original order, are
+detokenized with the sentencepiece model, and written (both splits at once,
+atomically) as data/translations/{split}.{tgt}: line i translates source line i,
+an empty source line included. data/raw is read only to check that the encoded
+splits still match it line for line.
+
+Interactive / piped use, same model, search and params:
+
+    echo "A man rides a bike." | python -m stages.translate --stdin
+    python -m stages.translate --stdin --model data/model --tokenized data/tokenized < sentences.en
+
+reads raw sentences from stdin, one per line, and prints one translation per
+line, flushed batch by batch: lines that arrive together (a pipe, a file) are
+translated together; lines typed one at a time are answered one at a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import select
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+import sentencepiece as spm
+import torch
+from torch.nn.utils.rnn import pad_sequence
+from tqdm import tqdm
+
+from model.beam_search import beam_search
+from model.transformer import Transformer, build_transformer
+from stages import config, tracking
+from stages.config import ParamsError, TranslateConfig
+from stages.corpus import BOS_ID, EOS_ID, PAD_ID, load_split, read_meta
+from stages.files import atomic_dir, write_text
+from stages.tokenize import count_lines
+
+log = logging.getLogger(__name__)
+
+SPLITS = ("test", "valid")
+
+
+def check_config(cfg: TranslateConfig, params: Path) -> None:
+    """Reject values the search cannot use, naming the key."""
+    for key, value, least in (("beam_size", cfg.beam_size, 1), ("max_tokens", cfg.max_tokens, 1),
+                              ("max_len_a", cfg.max_len_a, 0), ("max_len_b", cfg.max_len_b, 0)):
+        if value < least:
+            raise ParamsError(f"{params}: translate.{key} = {value}: expected at least {least}")
+
+
+def load_model(model_dir: Path, device: torch.device) -> Transformer:
+    """The averaged model of data/model/model.pt, in eval mode on `device`."""
+    path = model_dir / "model.pt"
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: missing; run the average stage first")
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    model = build_transformer(saved["vocab_size"], **saved["model_config"])
+    model.load_state_dict(saved["model"])
+    return model.to(device).eval()
+
+
+def load_spm(tokenized: Path, model: Transformer) -> spm.SentencePieceProcessor:
+    """The sentencepiece model the translation model was trained with (same vocabulary size)."""
+    path = tokenized / "spm.model"
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: missing; run the tokenize stage first")
+    sp = spm.SentencePieceProcessor(model_file=str(path))
+    if sp.get_piece_size() != model.embedding.num_embeddings:
+        raise ValueError(f"{path} has {sp.get_piece_size()} pieces but the model has a vocabulary of "
+                         f"{model.embedding.num_embeddings}: they were not trained together")
+    return sp
+
+
+def max_source_len(max_positions: int, cfg: TranslateConfig) -> int:
+    """Longest source (EOS included) that fits the positional encoding, and whose output limit fits too."""
+    if cfg.max_len_a == 0:
+        return max_positions if cfg.max_len_b <= max_positions else 0
+    return min(max_positions, int((max_positions - cfg.max_len_b) // cfg.max_len_a))
+
+
+def make_batches(lengths: np.ndarray, max_tokens: int, max_sentences: int) -> list[np.ndarray]:
+    """Sentence indices, longest first, in batches of <= max_tokens padded tokens and <= max_sentences sentences."""
+    order = np.argsort(-lengths, kind="stable")
+    batches, start = [], 0
+    while start < len(order):
+        n = min(max(1, max_tokens // int(lengths[order[start]])), max_sentences)  # the first is the longest
+        batches.append(order[start : start + n])
+        start += n
+    return batches
+
+
+@torch.inference_mode()
+def translate_ids(
+    model: Transformer, sources: Sequence[np.ndarray], cfg: TranslateConfig, progress: bool = True
+) -> list[list[int]]:
+    """Output ids (no BOS/EOS) for each source (ids without EOS), in input order."""
+    device = model.embedding.weight.device
+    limit = max_source_len(model.max_positions, cfg) - 1  # room for EOS
+    if limit < 0:
+        raise ParamsError(f"translate.max_len_a = {cfg.max_len_a}, max_len_b = {cfg.max_len_b}: even an empty source's "
+                          f"output limit exceeds the model's max_positions = {model.max_positions}")
+    lengths = np.fromiter((min(len(s), limit) + 1 for s in sources), dtype=np.int64, count=len(sources))
+    if truncated := sum(len(s) > limit for s in sources):
+        log.warning("%d source sentence(s) longer than %d tokens are cut to fit model.max_positions", truncated, limit)
+    outputs: list[list[int]] = [[] for _ in sources]
+    with tqdm(total=len(sources), unit="sentence", desc="translate", disable=not progress, mininterval=5) as bar:
+        for batch in make_batches(lengths, cfg.max_tokens, max(1, cfg.max_tokens // cfg.beam_size)):
+            rows = [torch.from_numpy(np.append(sources[i][:limit].astype(np.int64), EOS_ID)) for i in batch]
+            src = pad_sequence(rows, batch_first=True, padding_value=PAD_ID).to(device)  # [B, S]
+            hyps = beam_search(model, src, cfg.beam_size, cfg.length_penalty, cfg.max_len_a, cfg.max_len_b,
+                               BOS_ID, EOS_ID)
+            for i, hyp in zip(batch.tolist(), hyps):
+                outputs[i] = hyp.tokens
+            bar.update(len(batch))
+    return outputs
+
+
+def detokenize(sp: spm.SentencePieceProcessor, outputs: list[list[int]]) -> list[str]:
+    """Sentencepiece-decode each output; one line each."""
+    return [line.replace("\n", " ") for line in sp.decode(outputs)] if outputs else []
+
+
+def translate_split(model: Transformer, sp: spm.SentencePieceProcessor, tokenized: Path, raw: Path,
+                    split: str, langs: tuple[str, str], cfg: TranslateConfig) -> list[str]:
+    """Translate one split's encoded source, after checking it still matches the raw file."""
+    sources = load_split(tokenized, split, langs[0])
+    raw_path = raw / f"{split}.{langs[0]}"
+    if not raw_path.exists():
+        raise FileNotFoundError(f"{raw_path}: missing; run the download stage first")
+    if (n := count_lines(raw_path)) != len(sources):
+        raise ValueError(f"{tokenized}: {split}.{langs[0]} holds {len(sources)} sentences but {raw_path} has {n} "
+                         "lines; re-run the tokenize stage")
+    start = time.perf_counter()
+    lines = detokenize(sp, translate_ids(model, sources, cfg))
+    seconds = time.perf_counter() - start
+    log.info("%s: %d sentences in %.1f s (%.1f sentences/s)", split, len(lines), seconds,
+             len(lines) / max(seconds, 1e-9))
+    return lines
+
+
+def stdin_batches(fd: int, max_lines: int) -> Iterator[list[str]]:
+    """Lines from `fd` in groups: all that have arrived (up to max_lines), so typed lines come back one by one."""
+    pending, lines, eof = b"", [], False
+    while not eof:
+        chunk = os.read(fd, 1 << 16)
+        eof = not chunk
+        *complete, pending = (pending + chunk).split(b"\n")
+        lines += complete + ([pending] if eof and pending else [])
+        waiting = not eof and select.select([fd], [], [], 0)[0]
+        if lines and (len(lines) >= max_lines or not waiting):
+            yield [line.decode("utf-8", errors="replace").rstrip("\r") for line in lines]
+            lines = []
+
+
+def translate_stdin(model: Transformer, sp: spm.SentencePieceProcessor, cfg: TranslateConfig) -> None:
+    """Translate stdin line by line to stdout, flushing after every group of lines."""
+    if sys.stdin.isatty():
+        print("Type a sentence and press Enter (Ctrl-D to end).", file=sys.stderr, flush=True)
+    for lines in stdin_batches(sys.stdin.fileno(), max(1, cfg.max_tokens // cfg.beam_size)):
+        sources = [np.asarray(ids, dtype=np.int64) for ids in sp.encode(lines)]
+        for line in detokenize(sp, translate_ids(model, sources, cfg, progress=False)):
+            sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, default=Path("data/model"))
+    parser.add_argument("--tokenized", type=Path, default=Path("data/tokenized"))
+    parser.add_argument("--raw", type=Path)
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--stdin", action="store_true", help="translate stdin to stdout, one sentence per line")
+    parser.add_argument("--params", type=Path, default=Path("params.yaml"))
+    args = parser.parse_args(argv)
+    if not args.stdin and (args.raw is None or args.out is None):
+        parser.error("--raw and --out are required unless --stdin is given")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cfg = config.load(args.params, "translate", TranslateConfig)
+    check_config(cfg, args.params)
+    if "OMP_NUM_THREADS" not in os.environ:  # an explicit setting wins
+        torch.set_num_threads(os.cpu_count() or 1)
+    model = load_model(args.model, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    sp = load_spm(args.tokenized, model)
+    if args.stdin:
+        translate_stdin(model, sp, cfg)
+        return
+    meta = read_meta(args.tokenized)
+    langs = (meta["src_lang"], meta["tgt_lang"])
+    with tracking.stage_run("translate", args.params) as run:
+        run.log_params({"translate": asdict(cfg)})
+        start = time.perf_counter()
+        translations = {split: translate_split(model, sp, args.tokenized, args.raw, split, langs, cfg)
+                        for split in SPLITS}
+        seconds = time.perf_counter() - start
+        with atomic_dir(args.out) as tmp:
+            for split, lines in translations.items():
+                write_text(tmp / f"{split}.{langs[1]}", "".join(line + "\n" for line in lines))
+        sentences = sum(map(len, translations.values()))
+        log.info("wrote %s: %d sentences, %.1f sentences/s", args.out, sentences, sentences / max(seconds, 1e-9))
+        run.log_metrics({"sentences": sentences, "sentences_per_second": sentences / max(seconds, 1e-9)})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""stages.evaluate: sacreBLEU and chrF as the sacrebleu command line gives them, and the paper's tokenized BLEU."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import mlflow
+import pytest
+import yaml
+
+from stages import evaluate
+from tests.translation_fixtures import shared_store, store  # noqa: F401 (fixtures)
+
+ROOT = Path(__file__).resolve().parent.parent
+SACREBLEU = Path(sys.executable).parent / "sacrebleu"
+
+REFS = {
+    "test": ["Ein Mann fährt mit seinem Mountain-Bike über einen Feldweg.",
+             "Zwei Kinder spielen im Garten mit einem roten Ball.",
+             "Eine Frau liest die Süddeutsche Zeitung im Café \"Zur Post\".",
+             "Der Hals-Nasen-Ohren-Arzt kommt um 8 Uhr & geht um 17 Uhr."],
+    "valid": ["Ein Hund springt über den Zaun.", "Die E-Mail-Adresse ist falsch."],
+}
+HYPS = {
+    "test": ["Ein Mann fährt mit dem Mountain-Bike auf einem Feldweg.",
+             "Zwei Kinder spielen mit einem roten Ball im Garten.",
+             "Eine Frau liest Zeitung in einem Café.",
+             "Der Hals-Nasen-Arzt kommt um 8 Uhr und geht um 17 Uhr."],
+    "valid": ["Ein Hund springt über einen Zaun.", "Die E-Mail ist falsch."],
+}
+
+
+def write_split_files(tmp_path: Path, hyps: dict, refs: dict) -> tuple[Path, Path]:
+    translations, raw = tmp_path / "translations", tmp_path / "raw"
+    for directory, texts in ((translations, hyps), (raw, refs)):
+        directory.mkdir(exist_ok=True)
+        for split, lines in texts.items():
+            (directory / f"{split}.de").write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return translations, raw
+
+
+def run(tmp_path: Path, hyps: dict = HYPS, refs: dict = REFS) -> Path:
+    translations, raw = write_split_files(tmp_path, hyps, refs)
+    data = yaml.safe_load((ROOT / "params.yaml").read_text())["data"] | {"tgt_lang": "de"}
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({"evaluate": {"tokenize": "13a"}, "data": data}))
+    metrics = tmp_path / "metrics" / "eval.json"
+    evaluate.main(["--translations", str(translations), "--raw", str(raw), "--metrics", str(metrics),
+                   "--params", str(params)])
+    return metrics
+
+
+def cli(ref: Path, hyp: Path, *args: str) -> str:
+    done = subprocess.run([str(SACREBLEU), str(ref), "-i", str(hyp), *args], capture_output=True, text=True,
+                          check=True, timeout=120)
+    return done.stdout
+
+
+def test_bleu_and_chrf_equal_the_sacrebleu_command_line(tmp_path, capsys):
+    metrics = json.loads(run(tmp_path).read_text())
+    for split, prefix in (("test", ""), ("valid", "valid_")):
+        ref, hyp = tmp_path / "raw" / f"{split}.de", tmp_path / "translations" / f"{split}.de"
+        assert metrics[f"{prefix}bleu"] == pytest.approx(float(cli(ref, hyp, "-m", "bleu", "-b", "-w", "6")), abs=1e-6)
+        assert metrics[f"{prefix}chrf"] == pytest.approx(float(cli(ref, hyp, "-m", "chrf", "-b", "-w", "6")), abs=1e-6)
+    ref, hyp = tmp_path / "raw" / "test.de", tmp_path / "translations" / "test.de"
+    assert metrics["signature"] == json.loads(cli(ref, hyp, "-m", "bleu"))["signature"]
+    assert metrics["chrf_signature"] == json.loads(cli(ref, hyp, "-m", "chrf"))["signature"]
+    assert "tok:13a" in metrics["signature"] and "case:mixed" in metrics["signature"]
+    assert 0 < metrics["bleu"] < 100 and metrics["bleu"] != metrics["valid_bleu"]
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last == f"BLEU = {metrics['bleu']:.1f} (sacreBLEU signature: {metrics['signature']})"
+
+
+def test_the_metrics_are_logged_to_mlflow(tmp_path):
+    metrics = json.loads(run(tmp_path).read_text())
+    runs = mlflow.search_runs(search_all_experiments=True, filter_string="tags.stage = 'evaluate'",
+                              order_by=["attributes.start_time DESC"])
+    latest = runs.iloc[0]
+    for key in ("bleu", "chrf", "bleu_tokenized", "valid_bleu", "valid_chrf", "valid_bleu_tokenized"):
+        assert latest[f"metrics.{key}"] == pytest.approx(metrics[key])
+    assert latest["params.evaluate.tokenize"] == "13a"
+
+
+def test_tokenized_bleu_by_hand_with_a_split_compound(tmp_path):
+    """Moses + ATAT turn the pair into 8 and 10 tokens:
+
+    hyp: Der Hals ##AT##-##AT## Nasen ##AT##-##AT## Arzt kommt .
+    ref: Der Hals ##AT##-##AT## Nasen ##AT##-##AT## Ohren ##AT##-##AT## Arzt kommt .
+
+    n-gram matches (clipped): 8/8, 7/7, 5/6 (not "Nasen @ Arzt"), 3/5 (not "@ Nasen @ Arzt",
+    "Nasen @ Arzt kommt"); brevity penalty exp(1 - 10/8). BLEU = exp(-1/4) (5/6 * 3/5)^(1/4).
+    Without compound splitting, both sides would be 4 tokens and BLEU 0 (no 4-gram matches).
+    """
+    metrics = json.loads(run(tmp_path, {"test": ["Der Hals-Nasen-Arzt kommt."], "valid": HYPS["valid"]},
+                             {"test": ["Der Hals-Nasen-Ohren-Arzt kommt."], "valid": REFS["valid"]}).read_text())
+    assert metrics["bleu_tokenized"] == pytest.approx(100 * math.exp(-0.25) * 0.5**0.25, abs=1e-9)
+
+
+def test_paper_tokenization_escapes_like_tokenizer_perl_and_splits_compounds_like_perl():
+    assert evaluate.paper_tokenize(['Ein "E-Mail"-Konto kostet 5 & mehr.'], "de") == [
+        "Ein &quot; E ##AT##-##AT## Mail &quot; -Konto kostet 5 &amp; mehr ."
+    ]
+    # s{(\S)-(\S)}{...}g resumes after each match: the middle letter of "a-b-c" is used up.
+    assert evaluate.split_compounds("a-b-c rich-text -x y-") == "a ##AT##-##AT## b-c rich ##AT##-##AT## text -x y-"
+
+
+def test_an_empty_hypothesis_file_is_refused_and_no_metrics_are_written(tmp_path):
+    with pytest.raises(evaluate.EvaluateError, match=r"test\.de has 0 lines but the reference .*test\.de has 4"):
+        run(tmp_path, {"test": [], "valid": HYPS["valid"]})
+    assert not (tmp_path / "metrics" / "eval.json").exists()
+
+
+def test_a_line_count_mismatch_is_refused_and_the_old_metrics_stay(tmp_path):
+    metrics = run(tmp_path)
+    before = metrics.read_text()
+    with pytest.raises(evaluate.EvaluateError, match=r"valid\.de has 1 lines but the reference .*valid\.de has 2"):
+        run(tmp_path, {"test": HYPS["test"], "valid": HYPS["valid"][:1]})
+    assert metrics.read_text() == before
+
+
+def test_a_missing_translation_file_is_named(tmp_path):
+    with pytest.raises(evaluate.EvaluateError, match=r"translations/valid\.de: missing"):
+        run(tmp_path, {"test": HYPS["test"]})

@@ -1,0 +1,106 @@
+"""stages.report over a real sqlite MLflow store, and stages.attention's pictures."""
+
+from __future__ import annotations
+
+import matplotlib.image
+import mlflow
+import pytest
+from mlflow.entities import Metric, Param
+from mlflow.tracking import MlflowClient
+
+from stages import attention, report
+from stages.corpus import load_split
+from tests.translation_fixtures import make_corpus, one_thread, save_model, write_params  # noqa: F401 (fixture)
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(autouse=True)
+def no_global_tracking_uri():
+    """report.main sets mlflow's process-wide tracking URI (it is a command); unset it after each test."""
+    yield
+    mlflow.set_tracking_uri(None)
+
+
+def log_pipeline_run(client: MlflowClient, name: str, warmup_steps: int, bleu: float, bleu_tokenized: float,
+                     hours: float) -> None:
+    """A pipeline run as stages.tracking records one: a tagged parent with the metrics files, a child per stage."""
+    experiment = client.get_experiment_by_name("transformer-multi30k")
+    experiment_id = experiment.experiment_id if experiment else client.create_experiment("transformer-multi30k")
+    tags = {"pipeline_key": f"key-{name}", "git_commit": "0123456789abcdef", "preset": "multi30k_small",
+            "params_hash": f"hash-{name}", "data_name": "multi30k", "dvc_exp_name": name,
+            "train.device": "cpu (2 threads/process)",
+            "eval.signature": "nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:2.6.0"}
+    parent = client.create_run(experiment_id, tags=tags, run_name=name).info.run_id
+    metrics = {"train.flops_analytic": 1.1e15 * hours, "train.flops_paper_estimate": 2.4e15 * hours,
+               "train.train_hours": hours, "train.devices": 1, "train.peak_flops": 1.0e12, "train.mfu": 0.31,
+               "eval.bleu": bleu, "eval.bleu_tokenized": bleu_tokenized, "eval.chrf": 55.0}
+    client.log_batch(parent, metrics=[Metric(k, v, 0, 0) for k, v in metrics.items()])
+    stages = {"train": {"model.d_model": 256, "train.warmup_steps": warmup_steps, "params_hash": f"h-{name}",
+                        "device": "cpu"},
+              "translate": {"translate.beam_size": 4}}
+    for stage, params in stages.items():
+        child = client.create_run(experiment_id, tags={"mlflow.parentRunId": parent, "stage": stage},
+                                  run_name=stage).info.run_id
+        client.log_batch(child, params=[Param(k, str(v)) for k, v in params.items()])
+        client.set_terminated(child)
+    client.set_terminated(parent)
+
+
+def test_report_tables_both_runs_with_the_params_that_differ_and_plots_them(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    log_pipeline_run(client, "warm4000", 4000, 34.5, 36.25, 0.3)
+    log_pipeline_run(client, "warm8000", 8000, 33.0, 35.5, 0.35)
+    out = tmp_path / "reports"
+    report.main(["--out", str(out), "--tracking-uri", uri])
+
+    text = (out / "report.md").read_text()
+    header = next(line for line in text.splitlines() if line.startswith("| run"))
+    columns = [c.strip() for c in header.strip("|").split("|")]
+    assert "train.warmup_steps" in columns  # differs
+    assert "model.d_model" not in columns and "translate.beam_size" not in columns  # the same in both
+    assert "params_hash" not in columns
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")]
+            for line in text.splitlines() if line.startswith("| warm")}
+    assert set(rows) == {"warm4000", "warm8000"}
+    row = dict(zip(columns, rows["warm8000"]))
+    assert row["train.warmup_steps"] == "8000" and row["preset"] == "multi30k_small"
+    assert row["BLEU (sacreBLEU)"] == "33.00" and row["BLEU (tokenized, as the paper)"] == "35.50"
+    assert row["FLOPs counted"] == "3.85e+14" and row["FLOPs paper's way"] == "8.40e+14"
+    assert row["FLOPs at peak"] == "1.26e+15"  # 0.35 h x 3600 s x 1 device x 1e12 FLOP/s
+    assert row["device"] == "1 x cpu (2 threads/process)"
+    assert "27.3" in text and "2.3e+19" in text  # the paper's rows
+    assert "tok:13a" in text
+
+    png = (out / "bleu_vs_flops.png").read_bytes()
+    assert png.startswith(PNG_MAGIC)
+    image = matplotlib.image.imread(out / "bleu_vs_flops.png")
+    assert image.shape[0] > 300 and image.shape[1] > 400
+
+
+def test_report_without_runs_says_so(tmp_path):
+    with pytest.raises(LookupError, match="no pipeline runs"):
+        report.main(["--out", str(tmp_path / "reports"), "--tracking-uri", f"sqlite:///{tmp_path / 'empty.db'}"])
+    assert not (tmp_path / "reports").exists()
+
+
+def test_attention_pictures_have_one_heat_map_per_head(tmp_path):
+    raw, tokenized = make_corpus(tmp_path)
+    model_dir = save_model(tmp_path / "model", tokenized)
+    out = tmp_path / "attention"
+    attention.main(["--model", str(model_dir), "--tokenized", str(tokenized), "--raw", str(raw), "--out", str(out),
+                    "--n", "2", "--params", str(write_params(tmp_path / "params.yaml"))])
+    sources = load_split(tokenized, "test", "en")
+    chosen = attention.pick_sentences(sources, 2)
+    assert all(5 <= sources.lengths[i] <= 30 for i in chosen)
+    assert sorted(p.name for p in out.iterdir()) == sorted(f"test_{i + 1}.png" for i in chosen)
+    assert all(p.read_bytes().startswith(PNG_MAGIC) for p in out.iterdir())
+
+
+def test_cross_attention_rows_are_distributions_over_the_source(tmp_path):
+    raw, tokenized = make_corpus(tmp_path)
+    model = attention.load_model(save_model(tmp_path / "model", tokenized), attention.torch.device("cpu"))
+    weights = attention.cross_attention(model, [10, 11, 12, 13], [20, 21])
+    assert weights.shape == (2, 3, 5)  # heads, output pieces + EOS, source pieces + EOS
+    assert weights.sum(axis=-1) == pytest.approx(1.0, abs=1e-5)

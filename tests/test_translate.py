@@ -1,0 +1,128 @@
+"""stages.translate: batched beam search over whole splits, outputs in source order, and the --stdin mode."""
+
+from __future__ import annotations
+
+import select
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from stages import translate
+from stages.config import TranslateConfig
+from stages.corpus import load_split
+from tests.translation_fixtures import TEST_EN, TRANSLATE, VALID_EN, make_corpus, save_model, write_params
+from tests.translation_fixtures import one_thread, shared_store, store  # noqa: F401 (fixtures)
+
+ROOT = Path(__file__).resolve().parent.parent
+CFG = TranslateConfig(**TRANSLATE)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """(raw, tokenized, model_dir) shared by the module: the tokenizer takes seconds to train."""
+    root = tmp_path_factory.mktemp("translate")
+    raw, tokenized = make_corpus(root)
+    return raw, tokenized, save_model(root / "model", tokenized)
+
+
+def one_at_a_time(model_dir: Path, tokenized: Path, sources: list[np.ndarray]) -> list[str]:
+    model = translate.load_model(model_dir, torch.device("cpu"))
+    sp = translate.load_spm(tokenized, model)
+    return [translate.detokenize(sp, translate.translate_ids(model, [s], CFG, progress=False))[0] for s in sources]
+
+
+def run_main(tmp_path: Path, setup) -> Path:
+    raw, tokenized, model_dir = setup
+    out = tmp_path / "translations"
+    translate.main(["--model", str(model_dir), "--tokenized", str(tokenized), "--raw", str(raw), "--out", str(out),
+                    "--params", str(write_params(tmp_path / "params.yaml"))])
+    return out
+
+
+def test_batches_hold_at_most_max_tokens_and_cover_every_sentence():
+    lengths = np.array([3, 9, 1, 4, 4, 12, 2, 7])
+    batches = translate.make_batches(lengths, max_tokens=12, max_sentences=3)
+    assert sorted(np.concatenate(batches).tolist()) == list(range(8))
+    for batch in batches:
+        assert len(batch) <= 3 and len(batch) * lengths[batch].max() <= 12
+    assert [lengths[b].tolist() for b in batches] == [[12], [9], [7], [4, 4, 3], [2, 1]]
+
+
+def test_a_sentence_longer_than_max_tokens_gets_a_batch_of_its_own():
+    assert [b.tolist() for b in translate.make_batches(np.array([2, 50, 3]), 10, 8)] == [[1], [2, 0]]
+
+
+def test_main_writes_one_line_per_source_line_in_source_order(tmp_path, setup):
+    raw, tokenized, model_dir = setup
+    out = run_main(tmp_path, setup)
+    for split, sources in (("test", TEST_EN), ("valid", VALID_EN)):
+        lines = (out / f"{split}.de").read_text(encoding="utf-8").split("\n")
+        assert lines[-1] == "" and len(lines) - 1 == len(sources)
+        encoded = load_split(tokenized, split, "en")
+        assert lines[:-1] == one_at_a_time(model_dir, tokenized, [encoded[i] for i in range(len(encoded))])
+    test_lines = (out / "test.de").read_text(encoding="utf-8").split("\n")[:-1]
+    assert len(set(test_lines)) > 1  # the order check above can tell sentences apart
+
+
+def test_a_translation_batch_matches_translating_sentences_alone(setup):
+    """Padding and beam bookkeeping in a batch of different lengths change nothing."""
+    _, tokenized, model_dir = setup
+    model = translate.load_model(model_dir, torch.device("cpu"))
+    encoded = load_split(tokenized, "test", "en")
+    sources = [encoded[i] for i in range(len(encoded))]
+    batched = translate.translate_ids(model, sources, TranslateConfig(**{**TRANSLATE, "max_tokens": 1000}), False)
+    assert batched == [translate.translate_ids(model, [s], CFG, progress=False)[0] for s in sources]
+
+
+def test_an_encoded_split_that_no_longer_matches_the_raw_file_is_refused(tmp_path, setup):
+    raw, tokenized, model_dir = setup
+    stale_raw = tmp_path / "raw"
+    stale_raw.mkdir()
+    for f in raw.iterdir():
+        (stale_raw / f.name).write_bytes(f.read_bytes())
+    (stale_raw / "test.en").write_text("only one line\n")
+    with pytest.raises(ValueError, match=r"test\.en holds 6 sentences but .*raw/test\.en has 1 lines"):
+        translate.main(["--model", str(model_dir), "--tokenized", str(tokenized), "--raw", str(stale_raw),
+                        "--out", str(tmp_path / "out"), "--params", str(write_params(tmp_path / "params.yaml"))])
+    assert not (tmp_path / "out").exists()
+
+
+def stdin_command(tmp_path: Path, setup) -> list[str]:
+    _, tokenized, model_dir = setup
+    return [sys.executable, "-m", "stages.translate", "--stdin", "--model", str(model_dir),
+            "--tokenized", str(tokenized), "--params", str(write_params(tmp_path / "params.yaml"))]
+
+
+def test_stdin_mode_prints_one_translation_per_piped_line(tmp_path, setup):
+    _, tokenized, model_dir = setup
+    lines = ["A man rides a bike.", "", "The child finds the red ball and two dogs watches a small boat.", "A girl."]
+    done = subprocess.run(stdin_command(tmp_path, setup), input="\n".join(lines) + "\n", cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    model = translate.load_model(model_dir, torch.device("cpu"))
+    sp = translate.load_spm(tokenized, model)
+    expected = one_at_a_time(model_dir, tokenized, [np.array(ids) for ids in sp.encode(lines)])
+    assert done.stdout.split("\n") == expected + [""]
+
+
+def test_stdin_mode_answers_each_line_before_the_next_arrives(tmp_path, setup):
+    proc = subprocess.Popen(stdin_command(tmp_path, setup), cwd=ROOT, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1)
+    try:
+        answers = []
+        for sentence in ("A man rides a bike.", "Two dogs."):
+            proc.stdin.write(sentence + "\n")
+            proc.stdin.flush()
+            ready, _, _ = select.select([proc.stdout], [], [], 120)
+            assert ready, f"no translation of {sentence!r} while stdin stays open"
+            answers.append(proc.stdout.readline())
+        proc.stdin.close()
+        assert proc.wait(timeout=60) == 0
+        assert proc.stdout.read() == ""
+    finally:
+        proc.kill()
+    assert all(a.endswith("\n") for a in answers)
