@@ -4,29 +4,39 @@
 
 Reads params `data` (src_lang, tgt_lang) and `tokenize` (TokenizeConfig). One
 model over the training text of both sides (Sec. 5.1: a shared source-target
-vocabulary), trained from the raw files themselves; sentencepiece samples
-`input_sentence_size` sentences when the corpus is larger, so WMT fits in memory.
-Every split is then encoded with all cores, 100k lines at a time, and appended to
+vocabulary), streamed from the raw files; when the corpus is larger than
+`input_sentence_size` sentences, a seeded uniform sample of that many trains it,
+so WMT fits in memory. Every split is then encoded with all cores, 100k lines at a time, and appended to
 the flat files that stages/corpus.py documents: nothing ever holds a whole
 corpus as Python lists. Training pairs that are empty, longer than `max_len`
 tokens or whose length ratio exceeds `max_len_ratio` are dropped and counted by
 reason; valid and test are never filtered (an empty line stays, as an empty
 sequence), so translations stay aligned with the references.
+
+Deterministic: the same raw text, params and seed give the same bytes (the
+model's record of its path and thread count is stripped). One caveat from
+sentencepiece: a unigram model (not BPE) can differ slightly between machines
+with different core counts, as its EM sums per thread.
+
+metrics/tokenize.json: vocab_size; {split}_pairs (train: kept), train_pairs_raw;
+dropped_empty, dropped_too_long, dropped_ratio (train pairs, first reason that
+applies); {split}_src_tokens, {split}_tgt_tokens (no BOS/EOS); {split}_unk_rate.
 """
 
 from __future__ import annotations
 
 import argparse
+import codecs
 import itertools
 import logging
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import Iterator
 
 import numpy as np
 import sentencepiece as spm
+from sentencepiece import sentencepiece_model_pb2
 from tqdm import tqdm
 
 from stages import config
@@ -43,17 +53,6 @@ DROP_REASONS = ("empty", "too_long", "ratio")
 
 class RawDataError(ValueError):
     """The raw corpus is missing, misaligned or unreadable; the message names the file."""
-
-
-@dataclass(frozen=True)
-class SplitStats:
-    """What encoding one split produced (pairs kept, tokens per side, pairs dropped by reason)."""
-
-    pairs: int
-    src_tokens: int
-    tgt_tokens: int
-    unk_tokens: int
-    dropped: dict[str, int]
 
 
 def num_threads() -> int:
@@ -84,12 +83,17 @@ def check_config(cfg: TokenizeConfig, params: str | Path) -> None:
 
 
 def count_lines(path: Path) -> int:
-    """Lines in a file, counting a last line without a newline."""
-    n, last = 0, b"\n"
+    """Lines in a UTF-8 text file (a last line without a newline counts); raises naming the first bad line."""
+    decoder, n, last = codecs.getincrementaldecoder("utf-8")(), 0, b"\n"
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
+        for block in itertools.chain(iter(lambda: f.read(1 << 20), b""), [b""]):
+            try:
+                decoder.decode(block, final=not block)
+            except UnicodeDecodeError as e:
+                line = n + block.count(b"\n", 0, e.start) + 1
+                raise RawDataError(f"{path}:{line}: not valid UTF-8 ({e.reason})") from None
             n += block.count(b"\n")
-            last = block[-1:]
+            last = block[-1:] or last
     return n + (last != b"\n")
 
 
@@ -109,18 +113,32 @@ def check_raw(raw: Path, langs: tuple[str, str]) -> dict[str, int]:
     return lines
 
 
-def train_model(files: list[Path], prefix: Path, cfg: TokenizeConfig) -> spm.SentencePieceProcessor:
+def sample_sentences(files: list[Path], lines: int, size: int, seed: int) -> Iterator[str]:
+    """Stream `size` lines drawn uniformly, without replacement, from `files` of `lines` lines each (0 = all)."""
+    total = lines * len(files)
+    chosen = np.ones(total, dtype=bool)
+    if 0 < size < total:
+        chosen[:] = False
+        chosen[np.random.default_rng(seed).choice(total, size, replace=False)] = True
+    for k, path in enumerate(files):
+        start = k * lines
+        for chunk in read_chunks(path):
+            yield from itertools.compress(chunk, chosen[start : start + len(chunk)])
+            start += len(chunk)
+
+
+def train_model(files: list[Path], lines: int, prefix: Path, cfg: TokenizeConfig) -> spm.SentencePieceProcessor:
     """Train the shared sentencepiece model on `files`; writes prefix.model and prefix.vocab."""
-    spm.set_random_generator_seed(cfg.seed)  # seeds the sentence sampling: same inputs, same model
+    # We sample, seeded, rather than sentencepiece: its own sampling (input_sentence_size) gave four
+    # different models in four runs on 300k of 1M sentences, spm.set_random_generator_seed or not.
+    sentences = sample_sentences(files, lines, cfg.input_sentence_size, cfg.seed)
     try:
         spm.SentencePieceTrainer.train(
-            input=[str(f) for f in files],
+            sentence_iterator=sentences,
             model_prefix=str(prefix),
             model_type=cfg.model_type,
             vocab_size=cfg.vocab_size,
             character_coverage=cfg.character_coverage,
-            input_sentence_size=cfg.input_sentence_size,
-            shuffle_input_sentence=True,
             num_threads=num_threads(),
             pad_id=PAD_ID,
             unk_id=UNK_ID,
@@ -129,29 +147,25 @@ def train_model(files: list[Path], prefix: Path, cfg: TokenizeConfig) -> spm.Sen
             minloglevel=1,
         )
     except RuntimeError as e:
-        raise ValueError(f"sentencepiece could not train with tokenize.vocab_size = {cfg.vocab_size}: {e}") from None
-    return spm.SentencePieceProcessor(model_file=f"{prefix}.model")
+        raise ValueError(f"sentencepiece failed with tokenize.vocab_size = {cfg.vocab_size}: {e}") from None
+    model = Path(f"{prefix}.model")
+    model.write_bytes(portable(model.read_bytes()))
+    return spm.SentencePieceProcessor(model_file=str(model))
+
+
+def portable(model: bytes) -> bytes:
+    """The model without the path and thread count it records: equal inputs, equal bytes, on any machine."""
+    proto = sentencepiece_model_pb2.ModelProto.FromString(model)
+    proto.trainer_spec.model_prefix = Path(proto.trainer_spec.model_prefix).name
+    proto.trainer_spec.ClearField("num_threads")
+    return proto.SerializeToString(deterministic=True)
 
 
 def read_chunks(path: Path, chunk_lines: int = CHUNK_LINES) -> Iterator[list[str]]:
-    """Yield the lines of a UTF-8 file, without newlines, `chunk_lines` at a time."""
+    """Yield the lines of a UTF-8 file (checked by count_lines), without newlines, `chunk_lines` at a time."""
     with open(path, "rb") as f:
-        first = 1
         while chunk := list(itertools.islice(f, chunk_lines)):
-            try:
-                yield [line.rstrip(b"\n").decode("utf-8") for line in chunk]
-            except UnicodeDecodeError as e:
-                bad = next(i for i, line in enumerate(chunk) if not _is_utf8(line))
-                raise RawDataError(f"{path}:{first + bad}: not valid UTF-8 ({e.reason})") from None
-            first += len(chunk)
-
-
-def _is_utf8(line: bytes) -> bool:
-    try:
-        line.decode("utf-8")
-    except UnicodeDecodeError:
-        return False
-    return True
+            yield [line.rstrip(b"\n").decode("utf-8") for line in chunk]
 
 
 def encode(sp: spm.SentencePieceProcessor, lines: list[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -165,94 +179,90 @@ def encode(sp: spm.SentencePieceProcessor, lines: list[str]) -> tuple[np.ndarray
 def drop_reasons(src_len: np.ndarray, tgt_len: np.ndarray, max_len: int, max_len_ratio: float) -> np.ndarray:
     """Per pair: 0 = keep, else 1 + the index in DROP_REASONS of the first reason that applies."""
     shorter, longer = np.minimum(src_len, tgt_len), np.maximum(src_len, tgt_len)
-    return np.select(
-        [shorter == 0, longer > max_len, longer > max_len_ratio * shorter],
-        [1, 2, 3],
-        default=0,
-    )
+    return np.select([shorter == 0, longer > max_len, longer > max_len_ratio * shorter], [1, 2, 3], default=0)
 
 
 class SideWriter:
-    """Appends encoded sentences to one {split}.{lang}.ids/.offsets pair."""
+    """Appends encoded sentences to one side of a split: {split}.{lang}.ids and .offsets."""
 
-    def __init__(self, ids_file: BinaryIO, offsets_file: BinaryIO):
-        self.ids_file, self.offsets_file, self.total = ids_file, offsets_file, 0
-        np.zeros(1, OFFSET_DTYPE).tofile(offsets_file)
+    def __init__(self, out: Path, split: str, lang: str):
+        ids_path, offsets_path = split_paths(out, split, lang)
+        self.ids_file, self.offsets_file = open(ids_path, "wb"), open(offsets_path, "wb")
+        self.sentences, self.tokens, self.unk = 0, 0, 0
+        np.zeros(1, OFFSET_DTYPE).tofile(self.offsets_file)
 
     def append(self, ids: np.ndarray, lengths: np.ndarray) -> None:
-        ids.astype(ID_DTYPE, copy=False).tofile(self.ids_file)
-        (self.total + np.cumsum(lengths, dtype=OFFSET_DTYPE)).astype(OFFSET_DTYPE).tofile(self.offsets_file)
-        self.total += int(lengths.sum())
+        ids.tofile(self.ids_file)
+        (self.tokens + np.cumsum(lengths, dtype=OFFSET_DTYPE)).tofile(self.offsets_file)
+        self.sentences, self.tokens = self.sentences + len(lengths), self.tokens + len(ids)
+        self.unk += int(np.count_nonzero(ids == UNK_ID))
+
+    def close(self) -> None:
+        self.ids_file.close()
+        self.offsets_file.close()
 
 
 def encode_split(
-    sp: spm.SentencePieceProcessor,
-    raw: Path,
-    out: Path,
-    split: str,
-    langs: tuple[str, str],
-    lines: int,
+    sp: spm.SentencePieceProcessor, raw: Path, out: Path, split: str, langs: tuple[str, str], lines: int,
     cfg: TokenizeConfig | None,
-) -> SplitStats:
-    """Encode both sides of one split into `out`; filters pairs by `cfg` unless it is None."""
-    (src_ids_path, src_off_path), (tgt_ids_path, tgt_off_path) = (split_paths(out, split, lang) for lang in langs)
+) -> tuple[SideWriter, SideWriter, dict[str, int]]:
+    """Encode both sides of one split into `out`, dropping pairs by `cfg` unless it is None.
+
+    Returns the two closed writers (sentences, tokens, unknown tokens) and the pairs dropped by reason.
+    """
+    writers = [SideWriter(out, split, lang) for lang in langs]
     dropped = np.zeros(len(DROP_REASONS) + 1, dtype=np.int64)
-    unk = 0
-    with (
-        open(src_ids_path, "wb") as si,
-        open(src_off_path, "wb") as so,
-        open(tgt_ids_path, "wb") as ti,
-        open(tgt_off_path, "wb") as to,
-        tqdm(total=lines, unit="line", desc=f"encode {split}", unit_scale=True, mininterval=5) as bar,
-    ):
-        src_writer, tgt_writer = SideWriter(si, so), SideWriter(ti, to)
-        chunks = zip(read_chunks(raw / f"{split}.{langs[0]}"), read_chunks(raw / f"{split}.{langs[1]}"))
-        for src_lines, tgt_lines in chunks:
-            (src_ids, src_len), (tgt_ids, tgt_len) = encode(sp, src_lines), encode(sp, tgt_lines)
-            if cfg is not None:
-                reason = drop_reasons(src_len, tgt_len, cfg.max_len, cfg.max_len_ratio)
-                dropped += np.bincount(reason, minlength=len(dropped))
-                keep = reason == 0
-                src_ids, tgt_ids = src_ids[np.repeat(keep, src_len)], tgt_ids[np.repeat(keep, tgt_len)]
-                src_len, tgt_len = src_len[keep], tgt_len[keep]
-            src_writer.append(src_ids, src_len)
-            tgt_writer.append(tgt_ids, tgt_len)
-            unk += int(np.count_nonzero(src_ids == UNK_ID) + np.count_nonzero(tgt_ids == UNK_ID))
-            bar.update(len(src_lines))
-    kept = (src_off_path.stat().st_size // OFFSET_DTYPE.itemsize) - 1
-    return SplitStats(kept, src_writer.total, tgt_writer.total, unk, dict(zip(DROP_REASONS, dropped[1:].tolist())))
+    try:
+        chunks = zip(*(read_chunks(raw / f"{split}.{lang}") for lang in langs))
+        with tqdm(total=lines, unit="pair", unit_scale=True, desc=f"encode {split}", mininterval=5) as bar:
+            for src_lines, tgt_lines in chunks:
+                (src_ids, src_len), (tgt_ids, tgt_len) = encode(sp, src_lines), encode(sp, tgt_lines)
+                if cfg is not None:
+                    reason = drop_reasons(src_len, tgt_len, cfg.max_len, cfg.max_len_ratio)
+                    dropped += np.bincount(reason, minlength=len(dropped))
+                    keep = reason == 0
+                    src_ids, tgt_ids = src_ids[np.repeat(keep, src_len)], tgt_ids[np.repeat(keep, tgt_len)]
+                    src_len, tgt_len = src_len[keep], tgt_len[keep]
+                writers[0].append(src_ids, src_len)
+                writers[1].append(tgt_ids, tgt_len)
+                bar.update(len(src_lines))
+    finally:
+        for w in writers:
+            w.close()
+    return writers[0], writers[1], dict(zip(DROP_REASONS, dropped[1:].tolist()))
 
 
 def tokenize(raw: Path, out: Path, langs: tuple[str, str], cfg: TokenizeConfig) -> dict:
     """Train the shared model, encode every split into `out` (atomically) and return flat metrics."""
     lines = check_raw(raw, langs)
     log.info("lines per split: %s", lines)
-    metrics: dict = {}
     with atomic_dir(out) as tmp:
         start = time.perf_counter()
         log.info("training sentencepiece %s, vocab %d, on train.%s + train.%s", cfg.model_type, cfg.vocab_size, *langs)
-        sp = train_model([raw / f"train.{lang}" for lang in langs], tmp / "spm", cfg)
+        sp = train_model([raw / f"train.{lang}" for lang in langs], lines["train"], tmp / "spm", cfg)
         log.info("trained in %.0f s", time.perf_counter() - start)
-        metrics["vocab_size"] = sp.get_piece_size()
-        kept = {}
+        metrics: dict = {"vocab_size": sp.get_piece_size(), "train_pairs_raw": lines["train"]}
         for split in SPLITS:
-            stats = encode_split(sp, raw, tmp, split, langs, lines[split], cfg if split == "train" else None)
+            filter_by = cfg if split == "train" else None  # valid and test stay aligned with their references
+            src, tgt, dropped = encode_split(sp, raw, tmp, split, langs, lines[split], filter_by)
             if split == "train":
-                if stats.pairs == 0:
+                metrics |= {f"dropped_{reason}": n for reason, n in dropped.items()}
+                if src.sentences == 0:
                     raise RawDataError(
-                        f"{raw}/train.{{{','.join(langs)}}}: every one of the {lines['train']} training pairs was dropped "
-                        f"({', '.join(f'{v} {k}' for k, v in stats.dropped.items())}); "
+                        f"{raw / f'train.{langs[0]}'}, {raw / f'train.{langs[1]}'}: all {lines['train']} training "
+                        f"pairs were dropped ({', '.join(f'{n} {reason}' for reason, n in dropped.items())}); "
                         "check tokenize.max_len and tokenize.max_len_ratio"
                     )
-                metrics.update({f"dropped_{k}": v for k, v in stats.dropped.items()})
-                metrics["train_pairs_raw"] = lines["train"]
-            metrics.update({f"{split}_pairs": stats.pairs, f"{split}_src_tokens": stats.src_tokens,
-                            f"{split}_tgt_tokens": stats.tgt_tokens,
-                            f"{split}_unk_rate": stats.unk_tokens / max(stats.src_tokens + stats.tgt_tokens, 1)})
-            kept[split] = stats.pairs
-        write_json(tmp / "meta.json", {"vocab_size": metrics["vocab_size"], "src_lang": langs[0],
-                                       "tgt_lang": langs[1], "lines": kept})
-    log.info("wrote %s: %s", out, kept)
+            metrics |= {
+                f"{split}_pairs": src.sentences,
+                f"{split}_src_tokens": src.tokens,
+                f"{split}_tgt_tokens": tgt.tokens,
+                f"{split}_unk_rate": (src.unk + tgt.unk) / max(src.tokens + tgt.tokens, 1),
+            }
+        kept = {split: metrics[f"{split}_pairs"] for split in SPLITS}
+        meta = {"vocab_size": metrics["vocab_size"], "src_lang": langs[0], "tgt_lang": langs[1], "lines": kept}
+        write_json(tmp / "meta.json", meta)
+    log.info("wrote %s: %s pairs", out, kept)
     return metrics
 
 

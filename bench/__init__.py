@@ -1,0 +1,1 @@
+"""Benchmarks: run by hand (`make bench`), not by the test suite."""

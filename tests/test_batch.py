@@ -1,0 +1,155 @@
+"""The batch stage: every batch fits max_tokens, every pair once, deterministic, efficient, clear errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from stages import batch
+from stages.batch import fill, make_batches, padding_stats
+from stages.corpus import ID_DTYPE, OFFSET_DTYPE, Batches, load_batches, split_paths
+
+
+def random_lengths(rng: np.random.Generator, n: int, kind: str) -> tuple[np.ndarray, np.ndarray]:
+    """Model lengths (with EOS / BOS) from a few shapes of corpus."""
+    if kind == "uniform":
+        S, T = rng.integers(1, 120, n), rng.integers(1, 120, n)
+    elif kind == "correlated":  # like real translations: T follows S, with a long tail
+        S = np.clip(np.exp(rng.normal(np.log(20), 0.6, n)), 1, 250).astype(np.int64)
+        T = np.clip(S * np.exp(rng.normal(0.05, 0.2, n)), 1, 250).astype(np.int64)
+    else:  # few distinct lengths: many ties
+        S, T = rng.integers(1, 4, n) * 10, rng.integers(1, 4, n) * 10
+    return S + 1, T + 1
+
+
+def assert_valid_batches(S: np.ndarray, T: np.ndarray, batches: Batches, max_tokens: int) -> None:
+    """Each pair exactly once; n x max(S) and n x max(T) within max_tokens in every batch."""
+    assert np.array_equal(np.sort(batches.index), np.arange(len(S)))
+    n = np.diff(batches.bounds)
+    assert (n >= 1).all()
+    starts = batches.bounds[:-1]
+    assert (n * np.maximum.reduceat(S[batches.index], starts) <= max_tokens).all()
+    assert (n * np.maximum.reduceat(T[batches.index], starts) <= max_tokens).all()
+
+
+@pytest.mark.parametrize("kind", ["uniform", "correlated", "ties"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_every_batch_fits_and_every_pair_appears_once(kind, seed):
+    rng = np.random.default_rng(seed)
+    S, T = random_lengths(rng, int(rng.integers(1, 5000)), kind)
+    max_tokens = int(rng.integers(max(S.max(), T.max()), 4000))
+    assert_valid_batches(S, T, make_batches(S, T, max_tokens, seed), max_tokens)
+
+
+def test_batches_are_as_full_as_the_order_allows():
+    S, T = random_lengths(np.random.default_rng(3), 3000, "correlated")
+    batches = make_batches(S, T, 1000, seed=0)
+    L = np.maximum(S, T)[batches.index]
+    assert (np.diff(L) >= 0).all(), "the order never shortens the longer side"
+    # No batch could take the first pair of the next one: greedy filling gives the fewest batches.
+    n, nxt = np.diff(batches.bounds)[:-1], batches.bounds[1:-1]
+    assert ((n + 1) * L[nxt] > 1000).all()
+
+
+def test_batching_is_deterministic_and_the_seed_only_breaks_ties():
+    S, T = random_lengths(np.random.default_rng(4), 2000, "ties")
+    a, b, c = make_batches(S, T, 600, seed=1), make_batches(S, T, 600, seed=1), make_batches(S, T, 600, seed=2)
+    assert np.array_equal(a.index, b.index) and np.array_equal(a.bounds, b.bounds)
+    assert not np.array_equal(a.index, c.index)
+    assert np.array_equal(a.bounds, c.bounds)
+    assert padding_stats(S, T, a) == padding_stats(S, T, c)
+
+
+def test_padding_efficiency_on_a_hand_example():
+    S, T = np.array([2, 3, 4]), np.array([3, 3, 5])
+    stats = padding_stats(S, T, Batches(np.array([1, 0, 2]), np.array([0, 2, 3])))
+    # Batch [1, 0]: 2 x 3 source + 2 x 3 target padded; batch [2]: 4 + 5. Real: 9 source, 11 target.
+    assert stats["src_padding_efficiency"] == pytest.approx(9 / 10)
+    assert stats["tgt_padding_efficiency"] == pytest.approx(11 / 11)
+    assert stats["padding_efficiency"] == pytest.approx(20 / 21)
+    assert (stats["src_tokens_per_batch_min"], stats["src_tokens_per_batch_max"]) == (4, 5)
+    assert stats["tgt_tokens_per_batch_mean"] == pytest.approx(5.5)
+    assert stats["sentences_per_batch_mean"] == pytest.approx(1.5)
+
+
+def test_fill_on_a_hand_example():
+    # Lengths 2, 2, 3, 3, 3, 5 with max_tokens 9: [2, 2, 3] (3 x 3), [3, 3] (2 x 3), [5].
+    assert fill(np.array([2, 2, 3, 3, 3, 5]), 9).tolist() == [0, 3, 5, 6]
+
+
+def test_pairs_of_similar_shape_share_batches():
+    """On translation-like lengths, beats sorting by (target, source) and filling (the naive baseline)."""
+    S, T = random_lengths(np.random.default_rng(5), 30000, "correlated")
+    ours = padding_stats(S, T, make_batches(S, T, 6000, seed=0))["padding_efficiency"]
+    order, bounds = np.lexsort((S, T)), [0]
+    while bounds[-1] < len(order):
+        n, longest = 0, 0
+        for i in order[bounds[-1] :]:
+            if (n + 1) * max(longest, S[i], T[i]) > 6000:
+                break
+            n, longest = n + 1, max(longest, S[i], T[i])
+        bounds.append(bounds[-1] + n)
+    naive = padding_stats(S, T, Batches(order, np.array(bounds)))["padding_efficiency"]
+    assert ours > naive + 0.05, (ours, naive)  # measured: 0.935 vs 0.857
+
+
+def test_a_pair_longer_than_max_tokens_is_a_clear_error():
+    S, T = np.full(10, 5), np.full(10, 5)
+    T[7] = 101
+    with pytest.raises(ValueError, match=r"train pair 7 \(5 source, 101 target .*batch\.max_tokens = 100"):
+        make_batches(S, T, 100, seed=0)
+
+
+def write_tokenized(directory: Path, lengths: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
+    """A tokenized dir as stages.tokenize writes it, with arbitrary ids of the given lengths (no BOS/EOS)."""
+    directory.mkdir(parents=True)
+    for split, sides in lengths.items():
+        for lang, L in zip(("en", "de"), sides):
+            ids_path, offsets_path = split_paths(directory, split, lang)
+            np.full(int(L.sum()), 7, ID_DTYPE).tofile(ids_path)
+            np.concatenate([[0], np.cumsum(L)]).astype(OFFSET_DTYPE).tofile(offsets_path)
+    meta = {"vocab_size": 100, "src_lang": "en", "tgt_lang": "de",
+            "lines": {split: len(sides[0]) for split, sides in lengths.items()}}
+    (directory / "meta.json").write_text(json.dumps(meta))
+
+
+def run_main(tmp_path: Path, max_tokens: int) -> dict:
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({"batch": {"max_tokens": max_tokens, "seed": 1}}))
+    batch.main(["--tokenized", str(tmp_path / "tokenized"), "--out", str(tmp_path / "batches"),
+                "--metrics", str(tmp_path / "batch.json"), "--params", str(params)])
+    return json.loads((tmp_path / "batch.json").read_text())
+
+
+def test_main_batches_train_and_valid_with_lengths_as_the_model_sees_them(tmp_path):
+    rng = np.random.default_rng(6)
+    train = tuple(L - 1 for L in random_lengths(rng, 3000, "correlated"))
+    valid = (np.array([0, 3, 9]), np.array([0, 4, 2]))  # valid keeps empty lines: length 0, 1 with EOS
+    write_tokenized(tmp_path / "tokenized", {"train": train, "valid": valid, "test": valid})
+    metrics = run_main(tmp_path, max_tokens=400)
+
+    for split, (src, tgt) in (("train", train), ("valid", valid)):
+        batches = load_batches(tmp_path / "batches", split)
+        assert_valid_batches(src + 1, tgt + 1, batches, 400)
+    assert sorted(p.name for p in (tmp_path / "batches").iterdir()) == [
+        "train.bounds.npy", "train.index.npy", "valid.bounds.npy", "valid.index.npy"]
+    train_batches = load_batches(tmp_path / "batches", "train")
+    expected = padding_stats(train[0] + 1, train[1] + 1, train_batches)
+    assert metrics == {**expected, "max_tokens": 400, "num_batches": len(train_batches),
+                       "valid_num_batches": 1, "valid_padding_efficiency": pytest.approx(24 / 45)}
+
+
+def test_main_fails_cleanly_when_a_pair_does_not_fit(tmp_path):
+    train = (np.array([3, 50, 4]), np.array([2, 3, 80]))
+    write_tokenized(tmp_path / "tokenized", {"train": train, "valid": train, "test": train})
+    (tmp_path / "batches").mkdir()
+    (tmp_path / "batches" / "previous").write_text("kept")
+    with pytest.raises(ValueError, match=r"train pair 2 \(5 source, 81 target .*batch\.max_tokens = 60"):
+        run_main(tmp_path, max_tokens=60)
+    assert [p.name for p in (tmp_path / "batches").iterdir()] == ["previous"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    assert not (tmp_path / "batch.json").exists()
