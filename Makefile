@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 export PATH := $(abspath $(BIN)):$(PATH)
 export DVC_NO_ANALYTICS := 1
-export MLFLOW_ENABLE_TELEMETRY := false
+export MLFLOW_DISABLE_TELEMETRY := true
 export DO_NOT_TRACK := 1
 
 .PHONY: install run test bench clean
@@ -33,3 +33,5 @@ bench: install
 
 clean:
 	rm -rf $(VENV)
+ui: install
+	$(BIN)/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db --host 127.0.0.1 --port 5000

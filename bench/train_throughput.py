@@ -1,0 +1,165 @@
+"""Training throughput: our training step against torch.nn.Transformer of the same size, same batches, same loss.
+
+    python -m bench.train_throughput [--steps 8] [--rounds 2] [--threads N]
+
+The default model (conf/ composed with no overrides: the `small` preset) with an
+8000-token vocabulary, trained on synthetic batches shaped like Multi30k's
+(29000 pairs, source ~ 14 +- 5 tokens, target ~ 15 +- 6 and following the
+source, plus EOS/BOS), bucketed by stages.batch.make_batches at
+batch.max_tokens = 2500, one batch per step.
+
+  ours      stages.train.train_step: SmoothedLoss (projection and loss on real
+            target tokens only), fused Adam, the paper's dropout placement.
+  baseline  torch.nn.Transformer(d_model, nhead, layers, dim_feedforward,
+            dropout, batch_first=True), post-norm as the paper, with the same
+            shared embedding (x sqrt(d_model)), sinusoidal encoding, output
+            projection through the embedding matrix, and label-smoothed
+            cross-entropy ignoring padding, computed over all positions; Adam
+            with the same settings. It also has what torch adds on top of the
+            paper (attention- and ReLU-dropout, a final LayerNorm per stack).
+
+Both run in one process, alternating rounds of `--steps` timed steps (after one
+warm-up step each) so that load from other programs hits both alike. Reported:
+real target tokens per second, and MFU = analytic training FLOPs
+(model.flops.training_flops on real tokens) / (best round's time x the machine's
+fp32 matmul peak: the best of model.flops.measure_matmul_peak before and after
+every round, since a shared machine's load changes while we run). Targets on a 2-core CPU:
+ours >= 1.3x the baseline's tokens/s, and MFU >= 0.45 of the measured peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import statistics
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from model import flops as flops_lib
+from model.transformer import build_transformer, sinusoidal_encoding
+from stages import distributed, train
+from stages.batch import make_batches
+from stages.config import compose
+from stages.corpus import PAD_ID, EncodedSplit
+
+VOCAB = 8000
+MAX_TOKENS = 2500
+
+
+def synthetic_corpus(pairs: int, seed: int = 0) -> tuple[EncodedSplit, EncodedSplit]:
+    """Random token ids with Multi30k-like lengths: source ~ N(14, 5), target ~ 1.04 x source + N(0, 2.5).
+
+    The target length follows the source's as in real translation pairs
+    (Multi30k en-de, BPE 8000: 14.3 +- 4.7 and 14.8 +- 5.4 tokens), which sets
+    how tightly length bucketing packs the batches.
+    """
+    rng = np.random.default_rng(seed)
+    S = np.clip(np.rint(rng.normal(14, 5, pairs)), 1, 60).astype(np.int64)
+    T = np.clip(np.rint(1.04 * S + rng.normal(0, 2.5, pairs)), 1, 60).astype(np.int64)
+    out = []
+    for lengths in (S, T):
+        offsets = np.concatenate([[0], np.cumsum(lengths)])
+        out.append(EncodedSplit(rng.integers(4, VOCAB, size=int(offsets[-1])).astype(np.uint16), offsets))
+    return out[0], out[1]
+
+
+class TorchTransformer(nn.Module):
+    """The baseline: nn.Transformer with our embedding, positional encoding and tied output projection."""
+
+    def __init__(self, n_layers: int, d_model: int, d_ff: int, n_heads: int, dropout: float, max_positions: int, **_):
+        super().__init__()
+        self.d_model = d_model
+        self.embedding = nn.Embedding(VOCAB, d_model, padding_idx=PAD_ID)
+        nn.init.normal_(self.embedding.weight, std=d_model**-0.5)
+        self.register_buffer("pe", sinusoidal_encoding(max_positions, d_model), persistent=False)
+        self.dropout = nn.Dropout(dropout)
+        self.transformer = nn.Transformer(d_model, n_heads, n_layers, n_layers, d_ff, dropout, batch_first=True)
+
+    def embed(self, tokens: Tensor) -> Tensor:
+        return self.dropout(self.embedding(tokens) * math.sqrt(self.d_model) + self.pe[: tokens.shape[1]])
+
+    def forward(self, src: Tensor, tgt_in: Tensor, labels: Tensor, label_smoothing: float) -> Tensor:
+        T = tgt_in.shape[1]
+        causal = torch.ones(T, T, dtype=torch.bool).triu(1)  # True = may not attend (the future)
+        hidden = self.transformer(self.embed(src), self.embed(tgt_in), tgt_mask=causal, tgt_is_causal=True,
+                                  src_key_padding_mask=src == PAD_ID, tgt_key_padding_mask=tgt_in == PAD_ID,
+                                  memory_key_padding_mask=src == PAD_ID)
+        logits = hidden @ self.embedding.weight.t()  # [B, T, V]
+        return F.cross_entropy(logits.view(-1, VOCAB), labels.view(-1), ignore_index=PAD_ID,
+                               label_smoothing=label_smoothing, reduction="sum")
+
+
+def baseline_step(model: TorchTransformer, optimizer: torch.optim.Optimizer, batch: train.Batch, lr: float) -> None:
+    loss = model(batch.src, batch.tgt_in, batch.labels, 0.1) / batch.tokens
+    loss.backward()
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per round and model")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=distributed.available_cores())
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    cfg = compose([])["model"]
+    print(f"model {cfg}, vocab {VOCAB}, batch.max_tokens {MAX_TOKENS}, {torch.get_num_threads()} threads")
+
+    src, tgt = synthetic_corpus(29000)
+    batches = make_batches(src.lengths + 1, tgt.lengths + 1, MAX_TOKENS, seed=1)
+    order = np.random.default_rng(0).permutation(len(batches))[: args.steps + 1]
+    data = [train.make_batch(src, tgt, batches[b], torch.device("cpu")) for b in order]
+    warmup, timed = data[0], data[1:]
+    lens = [(np.diff(src.offsets)[batches[b]] + 1, np.diff(tgt.offsets)[batches[b]] + 1) for b in order[1:]]
+    shape = {k: cfg[k] for k in ("n_layers", "d_model", "d_ff", "n_heads", "d_k", "d_v")}
+    flops = sum(flops_lib.training_flops(VOCAB, **shape, src_lens=S, tgt_lens=T) for S, T in lens)
+    tokens = sum(b.tokens for b in timed)
+    real = tokens / sum(b.labels.numel() for b in timed)
+    print(f"{len(timed)} timed batches: {tokens} target tokens ({real:.1%} of padded positions), "
+          f"{flops / len(timed) / 1e9:.1f} GFLOP per step (analytic, training)")
+
+    torch.manual_seed(0)
+    ours = build_transformer(VOCAB, **cfg)
+    loss_model = train.SmoothedLoss(ours, 0.1)
+    ours_opt = torch.optim.Adam(ours.parameters(), betas=(0.9, 0.98), eps=1e-9, fused=True)
+    base = TorchTransformer(**cfg)
+    base_opt = torch.optim.Adam(base.parameters(), betas=(0.9, 0.98), eps=1e-9, fused=True)
+    n_ours, n_base = (sum(p.numel() for p in m.parameters()) for m in (ours, base))
+    print(f"parameters: ours {n_ours / 1e6:.2f}M, nn.Transformer {n_base / 1e6:.2f}M")
+    ctx = distributed.Dist(0, 1, 0, torch.device("cpu"))
+    lr = 1e-4
+    run_ours = lambda b: train.train_step(loss_model, ours_opt, [(b, True)], b.tokens, lr, ctx, contextlib.nullcontext())
+    run_base = lambda b: baseline_step(base, base_opt, b, lr)
+    for step in (run_ours, run_base):
+        step(warmup)
+
+    seconds: dict[str, list[float]] = {"ours": [], "nn.Transformer": []}
+    peaks = [flops_lib.measure_matmul_peak(torch.float32)]  # before and after every round: the load changes
+    for r in range(args.rounds):
+        for name, step in (("ours", run_ours), ("nn.Transformer", run_base)):
+            start = time.perf_counter()
+            for b in timed:
+                step(b)
+            seconds[name].append(time.perf_counter() - start)
+            print(f"  round {r + 1} {name:15s} {tokens / seconds[name][-1]:8.0f} tok/s")
+        peaks.append(flops_lib.measure_matmul_peak(torch.float32))
+    peak = max(peaks)  # the machine's peak; lower figures were measured under someone else's load
+    print(f"fp32 matmul peak: {peak / 1e9:.1f} GFLOP/s (best of {', '.join(f'{p / 1e9:.0f}' for p in peaks)})")
+    print(f"{'':15s} {'tok/s (best)':>13s} {'tok/s (median)':>15s} {'MFU (best)':>11s}")
+    best = {}
+    for name, times in seconds.items():
+        best[name] = tokens / min(times)
+        print(f"{name:15s} {best[name]:13.0f} {tokens / statistics.median(times):15.0f} {flops / min(times) / peak:11.1%}")
+    print(f"speed-up: {best['ours'] / best['nn.Transformer']:.2f}x (target >= 1.3x); "
+          f"MFU {flops / min(seconds['ours']) / peak:.1%} of the measured fp32 peak (target >= 45%)")
+
+if __name__ == "__main__":
+    main()

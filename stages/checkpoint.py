@@ -1,0 +1,203 @@
+"""Training checkpoints: atomic `step_XXXXXXXX.pt` files, each sealed by a sha256 sidecar.
+
+    save_checkpoint(directory, payload, keep) -> Path     # write, seal, keep the newest `keep`
+    complete_checkpoints(directory) -> list[Path]         # sealed and intact, oldest step first
+    load_checkpoint(path) -> dict                         # torch.load(weights_only=True)
+    resume_point(directory, params_hash) -> (path, payload) | None   # what a restarted run continues from
+    fingerprint(obj, files) -> str                        # sha256 of a JSON-able object and files
+    capture_rng() -> dict / restore_rng(state)            # torch (CPU, CUDA), numpy, random
+
+A checkpoint is the .pt file (written through stages.files.atomic_file) plus,
+written after it, `step_XXXXXXXX.pt.sha256` in `sha256sum` format. It counts
+only when both exist and the file's digest matches the sidecar: a kill between
+the two writes, a truncated copy or a flipped byte leaves a file that
+complete_checkpoints() skips with a warning naming it. Payloads hold only what
+`torch.load(weights_only=True)` accepts: tensors, numbers, strings, None, and
+lists and dicts of them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import random
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import BinaryIO
+
+import numpy as np
+import torch
+
+from stages.files import atomic_file, write_text
+
+log = logging.getLogger(__name__)
+
+NAME = re.compile(r"^step_(\d{8})\.pt$")
+SIDECAR_SUFFIX = ".sha256"
+HASH_CHUNK = 1 << 22
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be read; the message names the file."""
+
+
+class _HashingWriter:
+    """A write-only file object that hashes everything written through it."""
+
+    def __init__(self, f: BinaryIO):
+        self.f, self.sha = f, hashlib.sha256()
+
+    def write(self, data: bytes) -> int:
+        self.sha.update(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step_{step:08d}.pt"
+
+
+def sidecar(path: Path) -> Path:
+    return path.with_name(path.name + SIDECAR_SUFFIX)
+
+
+def file_sha256(path: str | Path) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            sha.update(chunk)
+    return sha.hexdigest()
+
+
+def step_files(directory: str | Path) -> list[tuple[int, Path]]:
+    """Every `step_XXXXXXXX.pt` in `directory` (sealed or not) as (step, path), oldest first."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := NAME.match(p.name))]
+    return sorted(found)
+
+
+def save_checkpoint(directory: str | Path, payload: dict, keep: int) -> Path:
+    """Write payload["step"]'s checkpoint atomically, then its sidecar; delete all but the newest `keep`."""
+    if keep < 1:
+        raise ValueError(f"save_checkpoint: keep must be at least 1, got {keep}")
+    path = Path(directory) / checkpoint_name(int(payload["step"]))
+    with atomic_file(path, "wb") as f:
+        writer = _HashingWriter(f)
+        torch.save(payload, writer)
+    write_text(sidecar(path), f"{writer.sha.hexdigest()}  {path.name}\n")
+    for _, old in step_files(directory)[:-keep]:
+        old.unlink(missing_ok=True)
+        sidecar(old).unlink(missing_ok=True)
+    return path
+
+
+def is_complete(path: Path) -> str | None:
+    """None when `path` and its sidecar agree, else why not (for the warning)."""
+    seal = sidecar(path)
+    if not seal.exists():
+        return f"no {seal.name} (interrupted while saving?)"
+    expected = seal.read_text(encoding="utf-8").split()[:1]
+    actual = file_sha256(path)
+    if expected != [actual]:
+        return f"sha256 {actual[:12]}... does not match {seal.name} (truncated or corrupt)"
+    return None
+
+
+def complete_checkpoints(directory: str | Path) -> list[Path]:
+    """Sealed, intact checkpoints in `directory`, oldest step first; others are skipped with a warning."""
+    complete = []
+    for _, path in step_files(directory):
+        problem = is_complete(path)
+        if problem is None:
+            complete.append(path)
+        else:
+            log.warning("skipping checkpoint %s: %s", path, problem)
+    return complete
+
+
+def load_checkpoint(path: str | Path) -> dict:
+    """Load a checkpoint onto the CPU with torch.load(weights_only=True); errors name the file."""
+    path = Path(path)
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: checkpoint not found") from None
+    except Exception as e:
+        raise CheckpointError(f"{path}: cannot load checkpoint: {e}") from e
+    if not isinstance(payload, dict) or "model" not in payload:
+        raise CheckpointError(f"{path}: not a training checkpoint (expected a dict with 'model')")
+    return payload
+
+
+def resume_point(directory: str | Path, params_hash: str) -> tuple[Path, dict] | None:
+    """The newest complete checkpoint and its payload if it has `params_hash`; else set every checkpoint aside.
+
+    Unsealed or corrupt files newer than the one resumed are deleted (a run
+    would overwrite them anyway, and they would outlive newer ones in the
+    rotation). When nothing can be resumed, all step files move to
+    `<directory>.stale/<time>/`, logged, so a fresh run starts from an empty directory.
+    """
+    directory = Path(directory)
+    complete = complete_checkpoints(directory)
+    payload = load_checkpoint(complete[-1]) if complete else None
+    if payload is not None and payload.get("params_hash") == params_hash:
+        newest = complete[-1]
+        for _, path in step_files(directory):
+            if path.name > newest.name:
+                log.warning("removing incomplete checkpoint %s (newer than %s)", path, newest.name)
+                path.unlink()
+                sidecar(path).unlink(missing_ok=True)
+        return newest, payload
+    old = step_files(directory)
+    if old:
+        aside = directory.with_name(f"{directory.name}.stale") / time.strftime("%Y%m%d-%H%M%S")
+        aside.mkdir(parents=True, exist_ok=True)
+        for _, path in old:
+            for p in (path, sidecar(path)):
+                if p.exists():
+                    shutil.move(str(p), aside / p.name)
+        why = (f"params changed (params_hash of {complete[-1].name} differs)" if payload is not None
+               else "no complete checkpoint to resume")
+        log.warning("%s: starting afresh; moved %d old checkpoint(s) from %s to %s", why, len(old), directory, aside)
+    return None
+
+
+def fingerprint(obj: object, files: list[Path]) -> str:
+    """sha256 of a JSON-able object (keys sorted) and the names and contents of `files`."""
+    sha = hashlib.sha256(json.dumps(obj, sort_keys=True).encode())
+    for path in files:
+        sha.update(f"\0{Path(path).name}\0{file_sha256(path)}".encode())
+    return sha.hexdigest()
+
+
+def capture_rng() -> dict:
+    """Every random generator training touches, as weights_only-loadable values."""
+    _, keys, pos, has_gauss, cached = np.random.get_state()
+    version, state, gauss_next = random.getstate()
+    rng = {
+        "torch": torch.get_rng_state(),
+        "numpy": {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "python": {"version": version, "state": torch.tensor(state, dtype=torch.int64), "gauss_next": gauss_next},
+    }
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    return rng
+
+
+def restore_rng(rng: dict) -> None:
+    """Put back what capture_rng() returned."""
+    torch.set_rng_state(rng["torch"])
+    n = rng["numpy"]
+    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
+    p = rng["python"]
+    random.setstate((p["version"], tuple(p["state"].tolist()), p["gauss_next"]))
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])

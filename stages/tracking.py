@@ -1,0 +1,271 @@
+"""MLflow tracking: one parent run per pipeline run, one child run under it per stage.
+
+    from stages import tracking
+    with tracking.stage_run("train", args.params) as run:    # enabled=False on ranks > 0
+        run.log_params({"model": asdict(model_cfg)})         # nested dicts -> "model.d_model"
+        run.log_metrics({"loss": 2.3}, step=100)
+        run.set_tags({"device": "cpu"})
+
+Browse:  mlflow ui --backend-store-uri sqlite:///mlflow.db --host 127.0.0.1
+
+Where: $MLFLOW_TRACKING_URI if set, else the sqlite database `mlflow.db` in
+the repo root as an absolute path. The root is the params file's directory;
+inside the temporary copy that `dvc exp run --queue` / `--temp` runs in
+(`<root>/.dvc/tmp/exps/<tmpdir>/`, dvc/repo/experiments/executor/local.py) it
+is the `<root>` that holds the copy, so queued experiments land in the same
+database. Experiment: `transformer-<data.name>` (runs on the same data compare).
+
+The parent is found (or created) by its tag `pipeline_key` = sha256 of the git
+commit and the full params file, and tagged with git_commit, dvc_exp_name
+($DVC_EXP_NAME, which dvc sets for queued/temp experiments), preset (data name
+and model size) and params_hash (sha256 of the params file). Opening and
+closing a stage copies every `metrics/*.json` beside the params file (the DVC
+record) into the parent as `<file stem>.<key>`, so the parent shows the whole
+pipeline even when DVC skipped cached stages; numbers become metrics, strings tags.
+
+Failure policy: tracking never stops a stage. The first MLflow error (server
+unreachable, gone mid-run, database locked...) logs ONE warning and turns
+tracking off for the rest of the process; the DVC metrics files remain the
+record. HTTP retries and timeouts are set low (env vars below, overridable) so a
+dead server costs seconds. Telemetry is off (MLFLOW_DISABLE_TELEMETRY, checked
+in mlflow/telemetry/utils.py), set before mlflow is imported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import math
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import yaml
+
+log = logging.getLogger(__name__)
+
+EXPERIMENT_PREFIX = "transformer"
+DB_NAME = "mlflow.db"
+EXPS_TMP = Path(".dvc") / "tmp" / "exps"
+ENV_DEFAULTS = {
+    "MLFLOW_DISABLE_TELEMETRY": "true",
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "5",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "0",
+}
+MAX_BATCH = 100  # keys per log_batch call (below MLflow's limits)
+
+_disabled = False  # set by the first failure: tracking stays off for this process
+
+
+def repo_root(params_path: str | Path) -> Path:
+    """The repo whose mlflow.db a stage uses: the params file's directory, or the repo holding a dvc exp temp copy."""
+    here = Path(params_path).resolve().parent
+    parts = here.parts
+    for i in range(len(parts) - len(EXPS_TMP.parts)):
+        if Path(*parts[i : i + len(EXPS_TMP.parts)]) == EXPS_TMP:
+            return Path(*parts[:i])
+    return here
+
+
+def tracking_uri(params_path: str | Path) -> str:
+    """$MLFLOW_TRACKING_URI, else an absolute sqlite URI for <repo root>/mlflow.db."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{repo_root(params_path) / DB_NAME}"
+
+
+def git_commit(directory: Path) -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=directory, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out.stdout.strip() if out.returncode == 0 else "unknown"
+
+
+SIZE_KEYS = ("n_layers", "d_model", "d_ff", "n_heads", "d_k", "d_v")
+
+
+def model_size(model: dict) -> str:
+    """The conf/model preset (small, base, big) whose shape the model section has, else 'custom'."""
+    from stages.config import CONF_DIR
+
+    for path in sorted((CONF_DIR / "model").glob("*.yaml")):
+        preset = yaml.safe_load(path.read_text(encoding="utf-8"))
+        if all(model.get(k) == preset.get(k) for k in SIZE_KEYS):
+            return path.stem
+    return "custom"
+
+
+def flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1}; lists and scalars are leaves."""
+    if not isinstance(obj, dict):
+        return {prefix: obj}
+    out: dict[str, Any] = {}
+    for k, v in obj.items():
+        out.update(flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
+def dvc_metrics(metrics_dir: Path) -> tuple[dict[str, float], dict[str, str]]:
+    """Every metrics/*.json flattened to `<stem>.<key>`: (numbers, strings)."""
+    numbers, strings = {}, {}
+    for path in sorted(metrics_dir.glob("*.json")) if metrics_dir.is_dir() else []:
+        try:
+            content = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            log.warning("not copying %s into MLflow: %s", path, e)
+            continue
+        for key, value in flatten(content, path.stem).items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                numbers[key] = float(value)
+            elif isinstance(value, str):
+                strings[key] = value
+    return numbers, strings
+
+
+def _chunks(items: list, n: int = MAX_BATCH) -> Iterator[list]:
+    for i in range(0, len(items), n):
+        yield items[i : i + n]
+
+
+class StageRun:
+    """A child run (or a no-op when tracking is off); every call survives MLflow failures."""
+
+    def __init__(self, client: Any = None, run_id: str | None = None, uri: str = ""):
+        self.client, self.run_id, self.uri = client, run_id, uri
+
+    @property
+    def active(self) -> bool:
+        return self.run_id is not None and not _disabled
+
+    def _call(self, fn: Callable[[], Any]) -> Any:
+        if not self.active:
+            return None
+        return _guard(self.uri, fn)
+
+    def log_params(self, params: dict) -> None:
+        from mlflow.entities import Param
+
+        flat = [Param(k, str(v)) for k, v in flatten(params).items()]
+        for chunk in _chunks(flat):
+            self._call(lambda chunk=chunk: self.client.log_batch(self.run_id, params=chunk))
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        flat = [Metric(k, float(v), now, step or 0) for k, v in metrics.items() if v is not None and math.isfinite(v)]
+        for chunk in _chunks(flat):
+            self._call(lambda chunk=chunk: self.client.log_batch(self.run_id, metrics=chunk))
+
+    def set_tags(self, tags: dict[str, Any]) -> None:
+        from mlflow.entities import RunTag
+
+        flat = [RunTag(k, str(v)) for k, v in tags.items()]
+        for chunk in _chunks(flat):
+            self._call(lambda chunk=chunk: self.client.log_batch(self.run_id, tags=chunk))
+
+
+def _guard(uri: str, fn: Callable[[], Any]) -> Any:
+    """Run one MLflow call; on the first failure warn once and switch tracking off."""
+    global _disabled
+    if _disabled:
+        return None
+    try:
+        return fn()
+    except Exception as e:  # any failure of the tracking backend, by policy
+        _disabled = True
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        log.warning("MLflow tracking at %s failed (%s); tracking is off for the rest of this process, "
+                    "the DVC metrics files remain the record", uri, first_line[:300])
+        return None
+
+
+def _client(uri: str) -> Any:
+    for key, value in ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
+def _experiment_id(client: Any, name: str, uri: str) -> str:
+    found = client.get_experiment_by_name(name)
+    if found is not None:
+        return found.experiment_id
+    location = None
+    if uri.startswith("sqlite:///"):
+        location = (Path(uri.removeprefix("sqlite:///")).parent / "mlartifacts").as_uri()
+    return client.create_experiment(name, artifact_location=location)
+
+
+def pipeline_tags(params_path: Path) -> dict[str, str]:
+    """Tags of the parent run: pipeline_key, git_commit, dvc_exp_name, preset, params_hash."""
+    text = params_path.read_text(encoding="utf-8")
+    raw = yaml.safe_load(text) or {}
+    commit = git_commit(params_path.resolve().parent)
+    data_name = (raw.get("data") or {}).get("name", "unknown")
+    tags = {
+        "pipeline_key": hashlib.sha256(f"{commit}\n{text}".encode()).hexdigest(),
+        "git_commit": commit,
+        "preset": f"{data_name}_{model_size(raw.get('model') or {})}",
+        "params_hash": hashlib.sha256(text.encode()).hexdigest(),
+        "data_name": data_name,
+    }
+    if os.environ.get("DVC_EXP_NAME"):
+        tags["dvc_exp_name"] = os.environ["DVC_EXP_NAME"]
+    return tags
+
+
+def _open_parent(client: Any, params_path: Path, uri: str) -> tuple[str, str, dict[str, str]]:
+    """Find the parent run by its pipeline_key, or create it: (experiment_id, run_id, tags)."""
+    tags = pipeline_tags(params_path)
+    experiment_id = _experiment_id(client, f"{EXPERIMENT_PREFIX}-{tags['data_name']}", uri)
+    found = client.search_runs([experiment_id], filter_string=f"tags.pipeline_key = '{tags['pipeline_key']}'",
+                               max_results=1, order_by=["attributes.start_time DESC"])
+    if found:
+        parent_id = found[0].info.run_id
+        client.update_run(parent_id, status="RUNNING")
+    else:
+        run_name = tags.get("dvc_exp_name") or f"{tags['preset']}-{tags['git_commit'][:8]}"
+        parent_id = client.create_run(experiment_id, tags=tags, run_name=run_name).info.run_id
+    return experiment_id, parent_id, tags
+
+
+def _copy_dvc_metrics(parent: StageRun, metrics_dir: Path) -> None:
+    numbers, strings = dvc_metrics(metrics_dir)
+    parent.log_metrics(numbers)
+    parent.set_tags(strings)
+
+
+@contextlib.contextmanager
+def stage_run(stage: str, params_path: str | Path = "params.yaml", enabled: bool = True) -> Iterator[StageRun]:
+    """Open the pipeline's parent run and a child run named `stage` under it; close both on exit."""
+    if not enabled or _disabled:
+        yield StageRun()
+        return
+    params_path = Path(params_path)
+    uri = tracking_uri(params_path)
+    metrics_dir = params_path.resolve().parent / "metrics"
+    client = _guard(uri, lambda: _client(uri))
+    opened = _guard(uri, lambda: _open_parent(client, params_path, uri)) if client is not None else None
+    if opened is None:
+        yield StageRun()
+        return
+    experiment_id, parent_id, tags = opened
+    parent = StageRun(client, parent_id, uri)
+    _copy_dvc_metrics(parent, metrics_dir)
+    child_tags = {k: v for k, v in tags.items() if k != "pipeline_key"} | {"mlflow.parentRunId": parent_id, "stage": stage}
+    child_id = _guard(uri, lambda: client.create_run(experiment_id, tags=child_tags, run_name=stage).info.run_id)
+    run = StageRun(client, child_id, uri)
+    status = "FAILED"
+    try:
+        yield run
+        status = "FINISHED"
+    finally:
+        run._call(lambda: client.set_terminated(child_id, status=status))
+        _copy_dvc_metrics(parent, metrics_dir)
+        parent._call(lambda: client.set_terminated(parent_id, status=status))

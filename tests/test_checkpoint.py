@@ -1,0 +1,107 @@
+"""stages.checkpoint: atomic, sealed checkpoints; broken ones are skipped by name; everything loads weights_only."""
+
+from __future__ import annotations
+
+import logging
+import random
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+
+from model.transformer import build_transformer
+from stages.checkpoint import (CheckpointError, capture_rng, complete_checkpoints, fingerprint, load_checkpoint,
+                               restore_rng, save_checkpoint, sidecar)
+from tests.train_fixtures import MODEL, VOCAB
+
+
+def training_payload(step: int) -> dict:
+    """A payload shaped like the train stage's: real weights, a real Adam state, RNGs, counters."""
+    torch.manual_seed(step)
+    model = build_transformer(VOCAB, **MODEL)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.tensor([[4, 5, 3]]), torch.tensor([[2, 6]])).sum().backward()
+    optimizer.step()
+    return {"step": step, "model": model.state_dict(), "model_config": dict(MODEL), "vocab_size": VOCAB,
+            "params_hash": "h", "optimizer": optimizer.state_dict(), "rng": [capture_rng()],
+            "data_position": {"epoch": 1, "cursor": 7}, "elapsed_seconds": 1.5, "train_tokens": 99,
+            "progress": {"plot_rows": [[2, 3.5, 1e-3, 100.0, None]], "valid": {}}}
+
+
+def test_a_training_payload_round_trips_with_weights_only(tmp_path):
+    payload = training_payload(3)
+    path = save_checkpoint(tmp_path, payload, keep=5)
+    assert path.name == "step_00000003.pt" and sidecar(path).exists()
+    loaded = load_checkpoint(path)
+    assert all(torch.equal(loaded["model"][k], v) for k, v in payload["model"].items())
+    assert loaded["optimizer"]["param_groups"] == payload["optimizer"]["param_groups"]
+    assert all(torch.equal(loaded["optimizer"]["state"][i]["exp_avg"], s["exp_avg"])
+               for i, s in payload["optimizer"]["state"].items())
+    assert loaded["data_position"] == {"epoch": 1, "cursor": 7}
+    assert loaded["progress"]["plot_rows"] == [[2, 3.5, 1e-3, 100.0, None]]
+
+
+def test_the_sidecar_is_checked_by_sha256sum(tmp_path):
+    save_checkpoint(tmp_path, training_payload(1), keep=5)
+    out = subprocess.run(["sha256sum", "-c", "step_00000001.pt.sha256"], cwd=tmp_path, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_broken_checkpoints_are_skipped_with_a_warning_naming_each(tmp_path, caplog):
+    for step in (1, 2, 3, 4):
+        save_checkpoint(tmp_path, training_payload(step), keep=10)
+    two, three, four = (tmp_path / f"step_0000000{s}.pt" for s in (2, 3, 4))
+    data = bytearray(two.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped bit pattern in the middle
+    two.write_bytes(bytes(data))
+    three.write_bytes(three.read_bytes()[:-100])  # truncated
+    sidecar(four).unlink()  # killed between the .pt and its sidecar
+    with caplog.at_level(logging.WARNING):
+        complete = complete_checkpoints(tmp_path)
+    assert [p.name for p in complete] == ["step_00000001.pt"]
+    for broken in (two, three, four):
+        assert str(broken) in caplog.text
+
+
+def test_only_the_newest_checkpoints_are_kept(tmp_path):
+    for step in range(1, 6):
+        save_checkpoint(tmp_path, {"step": step, "model": {"w": torch.full((2,), float(step))}}, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "step_00000004.pt", "step_00000004.pt.sha256", "step_00000005.pt", "step_00000005.pt.sha256"]
+    assert torch.equal(load_checkpoint(complete_checkpoints(tmp_path)[-1])["model"]["w"], torch.full((2,), 5.0))
+    with pytest.raises(ValueError, match="keep"):
+        save_checkpoint(tmp_path, {"step": 6, "model": {}}, keep=0)
+
+
+def test_load_errors_name_the_file(tmp_path):
+    garbage = tmp_path / "step_00000001.pt"
+    garbage.write_bytes(b"not a checkpoint")
+    with pytest.raises(CheckpointError, match=str(garbage)):
+        load_checkpoint(garbage)
+    with pytest.raises(CheckpointError, match="not found"):
+        load_checkpoint(tmp_path / "step_00000002.pt")
+    torch.save({"step": 1}, tmp_path / "other.pt")
+    with pytest.raises(CheckpointError, match="other.pt.*not a training checkpoint"):
+        load_checkpoint(tmp_path / "other.pt")
+
+
+def test_restored_rngs_replay_every_generator(tmp_path):
+    torch.manual_seed(5), np.random.seed(5), random.seed(5)
+    torch.rand(3), np.random.rand(3), random.random(), np.random.randn()  # leave a cached gaussian
+    path = save_checkpoint(tmp_path, {"step": 1, "model": {}, "rng": capture_rng()}, keep=1)
+    first = (torch.rand(4), np.random.rand(4), np.random.randn(), [random.random() for _ in range(4)])
+    restore_rng(load_checkpoint(path)["rng"])
+    again = (torch.rand(4), np.random.rand(4), np.random.randn(), [random.random() for _ in range(4)])
+    assert torch.equal(first[0], again[0]) and np.array_equal(first[1], again[1])
+    assert first[2] == again[2] and first[3] == again[3]
+
+
+def test_fingerprint_follows_values_and_file_contents(tmp_path):
+    f = tmp_path / "meta.json"
+    f.write_text("{}")
+    base = fingerprint({"a": 1, "b": [1, 2]}, [f])
+    assert base == fingerprint({"b": [1, 2], "a": 1}, [f])  # key order does not matter
+    assert base != fingerprint({"a": 2, "b": [1, 2]}, [f])
+    f.write_text("{ }")
+    assert base != fingerprint({"a": 1, "b": [1, 2]}, [f])

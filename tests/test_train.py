@@ -1,0 +1,362 @@
+"""stages.train: the paper's schedule and loss, exact data-parallel updates, exact resumes, outputs."""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from mlflow.tracking import MlflowClient
+
+from model import flops as flops_lib
+from model.schedule import lrate
+from model.transformer import build_transformer
+from stages import distributed, train
+from stages.checkpoint import complete_checkpoints, load_checkpoint
+from stages.config import ParamsError
+from stages.corpus import BOS_ID, EOS_ID, PAD_ID, load_batches, load_split
+from tests.train_fixtures import MODEL, ROOT, VOCAB, stage_args, stage_env, torchrun, write_corpus, write_params
+
+
+@pytest.fixture(scope="module")
+def shared_store(tmp_path_factory) -> str:
+    """One MLflow store for this module's runs: creating a fresh sqlite schema costs seconds."""
+    return f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
+
+
+@pytest.fixture(autouse=True)
+def _one_thread_shared_store(monkeypatch, caplog, shared_store):
+    """In-process runs use one thread (the test machine's cores are shared) and log at INFO."""
+    monkeypatch.setattr(distributed, "available_cores", lambda: 1)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", shared_store)
+    caplog.set_level(logging.INFO)
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def run_stage(root: Path, params: Path) -> dict:
+    train.main(stage_args(root, params))
+    return json.loads((root / "metrics" / "train.json").read_text())
+
+
+def final_weights(root: Path) -> dict:
+    return load_checkpoint(complete_checkpoints(root / "checkpoints")[-1])["model"]
+
+
+def plot_rows(root: Path) -> list[dict]:
+    with open(root / "plots" / "train.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+# --- schedule and loss --------------------------------------------------------------------
+
+
+def test_lrate_is_the_papers_formula_with_its_peak_at_warmup():
+    d_model, warmup = 512, 4000
+    for step in (1, 10, 1000, 3999, 4000, 4001, 10_000, 100_000):
+        expected = d_model**-0.5 * min(step**-0.5, step * warmup**-1.5)
+        assert lrate(step, d_model, warmup) == pytest.approx(expected, rel=1e-12)
+    assert lrate(1000, d_model, warmup) == pytest.approx(1000 / 4000 * lrate(4000, d_model, warmup))  # linear warmup
+    assert lrate(16000, d_model, warmup) == pytest.approx(lrate(4000, d_model, warmup) / 2)  # 1/sqrt(step) decay
+    peak = max(range(1, 20_000), key=lambda s: lrate(s, d_model, warmup))
+    assert peak == warmup
+    assert lrate(warmup, d_model, warmup) == pytest.approx(512**-0.5 * 4000**-0.5)
+    with pytest.raises(ValueError):
+        lrate(0, d_model, warmup)
+
+
+def test_label_smoothed_loss_matches_a_hand_computation():
+    logits = torch.tensor([[2.0, 0.5, -1.0], [0.0, 1.0, 3.0]])
+    targets = torch.tensor([0, 1])
+    eps = 0.1
+    expected = 0.0
+    for row, y in zip(logits.tolist(), targets.tolist()):
+        log_z = math.log(sum(math.exp(v) for v in row))
+        logp = [v - log_z for v in row]
+        # q = (1 - eps) * one_hot(y) + eps / V (Szegedy et al. 2016, as Sec. 5.4 cites); loss = -sum q log p
+        expected += -sum(((1 - eps) * (k == y) + eps / 3) * logp[k] for k in range(3))
+    smoothed, nll = train.smoothed_and_nll(logits, targets, eps)
+    assert smoothed.item() == pytest.approx(expected, rel=1e-6)
+    assert F.cross_entropy(logits, targets, label_smoothing=eps, reduction="sum").item() == pytest.approx(expected, rel=1e-6)
+    assert nll.item() == pytest.approx(F.cross_entropy(logits, targets, reduction="sum").item(), rel=1e-6)
+
+
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+def test_the_chunked_loss_equals_cross_entropy_of_the_models_projection(eps):
+    torch.manual_seed(0)
+    model = build_transformer(VOCAB, **MODEL)
+    n = 2 * train.ProjectedSmoothedLoss.CHUNK + 37  # three chunks, the last one short
+    hidden = torch.randn(n, MODEL["d_model"], requires_grad=True)
+    targets = torch.randint(0, VOCAB, (n,))
+    expected = F.cross_entropy(model.project(hidden), targets, label_smoothing=eps, reduction="sum")
+    (3 * expected).backward()
+    want = hidden.grad.clone(), model.embedding.weight.grad.clone()
+    hidden.grad, model.embedding.weight.grad = None, None
+    got = train.ProjectedSmoothedLoss.apply(hidden, model.embedding.weight, targets, eps)
+    (3 * got).backward()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(hidden.grad, want[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(model.embedding.weight.grad, want[1], rtol=1e-4, atol=1e-4)
+
+
+def test_padding_changes_neither_the_loss_nor_the_gradient():
+    torch.manual_seed(0)
+    model = build_transformer(VOCAB, **MODEL)
+    loss_model = train.SmoothedLoss(model, 0.1)
+    pairs = [([5, 6, 7, 8], [9, 10]), ([11, 12], [13, 14, 15, 16, 17])]
+    padded = [torch.tensor([s + [EOS_ID] + [PAD_ID] * (5 - len(s)) for s, _ in pairs]),
+              torch.tensor([[BOS_ID] + t + [PAD_ID] * (5 - len(t)) for _, t in pairs]),
+              torch.tensor([t + [EOS_ID] + [PAD_ID] * (5 - len(t)) for _, t in pairs])]
+    together = loss_model(*padded)
+    together.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    alone = sum(loss_model(torch.tensor([s + [EOS_ID]]), torch.tensor([[BOS_ID] + t]), torch.tensor([t + [EOS_ID]]))
+                for s, t in pairs)
+    alone.backward()
+    assert together.item() == pytest.approx(alone.item(), rel=1e-5)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, atol=1e-5, rtol=1e-4, msg=n)
+
+
+# --- data ---------------------------------------------------------------------------------
+
+
+def test_batches_frame_sentences_with_eos_and_bos_and_pad_the_rest(tmp_path):
+    tokenized, batches = write_corpus(tmp_path)
+    src, tgt = load_split(tokenized, "train", "en"), load_split(tokenized, "train", "de")
+    rows = np.array([0, 3, 7])
+    batch = train.make_batch(src, tgt, rows, torch.device("cpu"))
+    for i, r in enumerate(rows):
+        s, t = src[r].tolist(), tgt[r].tolist()
+        assert batch.src[i].tolist() == s + [EOS_ID] + [PAD_ID] * (batch.src.shape[1] - len(s) - 1)
+        assert batch.tgt_in[i].tolist() == [BOS_ID] + t + [PAD_ID] * (batch.tgt_in.shape[1] - len(t) - 1)
+        assert batch.labels[i].tolist() == t + [EOS_ID] + [PAD_ID] * (batch.labels.shape[1] - len(t) - 1)
+    assert batch.tokens == int((batch.labels != PAD_ID).sum())
+    assert batch.src.shape[1] == max(len(src[r]) for r in rows) + 1
+
+
+def test_accumulation_keeps_tokens_per_step_whatever_the_devices():
+    assert distributed.grad_accumulation(25000, 3125, 8) == 1
+    assert distributed.grad_accumulation(25000, 3125, 1) == 8
+    assert distributed.grad_accumulation(25000, 3125, 2) == 4
+    assert distributed.grad_accumulation(25000, 3000, 8) == 2  # ceil: never fewer tokens than asked
+    assert distributed.grad_accumulation(100, 2500, 1) == 1
+
+
+def test_sharding_uses_every_batch_of_an_epoch_exactly_once():
+    world, accum, num_batches = 8, 2, 37
+    order = distributed.epoch_order(num_batches, seed=1, epoch=0)
+    assert sorted(order.tolist()) == list(range(num_batches))
+    assert not np.array_equal(order, distributed.epoch_order(num_batches, seed=1, epoch=1))  # reshuffled per epoch
+    seen, cursor = [], 0
+    while cursor < num_batches:
+        step = order[cursor : cursor + world * accum]
+        cursor += len(step)
+        shares = [distributed.rank_share(step, r, world) for r in range(world)]
+        assert len({n for _, n in shares}) == 1  # every rank runs as many micro-batches
+        assert all(len(mine) <= n for mine, n in shares)
+        seen += [b for mine, _ in shares for b in mine]
+    assert sorted(seen) == list(range(num_batches))
+
+
+def test_more_devices_than_processes_is_a_clear_error(tmp_path):
+    write_corpus(tmp_path)
+    params = write_params(tmp_path / "params.yaml", devices=2)
+    with pytest.raises(ValueError, match=r"train\.devices=2.*torchrun"):
+        train.main(stage_args(tmp_path, params))
+    with pytest.raises(ParamsError, match=r"params\.yaml: train\.keep_checkpoints must be at least 1"):
+        train.main(stage_args(tmp_path, write_params(tmp_path / "params.yaml", keep_checkpoints=0)))
+    assert not (tmp_path / "metrics").exists() and not (tmp_path / "checkpoints").exists()
+
+
+# --- whole runs -----------------------------------------------------------------------------
+
+
+def test_a_tiny_model_overfits_a_handful_of_pairs(tmp_path):
+    write_corpus(tmp_path, n_train=6, n_valid=6, max_len=4, max_tokens=40)
+    # the valid split is a copy of the train split: overfitting shows there too
+    for lang in ("en", "de"):
+        for ext in ("ids", "offsets"):
+            (tmp_path / "tokenized" / f"valid.{lang}.{ext}").write_bytes((tmp_path / "tokenized" / f"train.{lang}.{ext}").read_bytes())
+    for ext in ("index", "bounds"):
+        (tmp_path / "batches" / f"valid.{ext}.npy").write_bytes((tmp_path / "batches" / f"train.{ext}.npy").read_bytes())
+    params = write_params(tmp_path / "params.yaml", max_tokens=40, max_steps=300, tokens_per_step=40, warmup_steps=20,
+                          lr_factor=0.5, label_smoothing=0.0, eval_every=0, log_every=50, checkpoint_every=0,
+                          model={"d_model": 32, "d_ff": 64, "n_heads": 4})
+    metrics = run_stage(tmp_path, params)
+    assert metrics["steps"] == 300
+    assert metrics["valid_nll"] < 0.05, metrics
+    assert metrics["valid_ppl"] < 1.06
+
+
+def test_metrics_and_plot_describe_the_run(tmp_path):
+    tokenized, batches = write_corpus(tmp_path)
+    params = write_params(tmp_path / "params.yaml", max_steps=5, eval_every=2, log_every=2, checkpoint_every=0)
+    metrics = run_stage(tmp_path, params)
+    # flops_analytic is training_flops summed over every trained batch's real tokens: one pass over
+    # the batch order (5 steps x 2 batches, the 10 batches of one epoch) covers each batch once.
+    b = load_batches(batches, "train")
+    assert len(b) == 10 and metrics["grad_accum"] == 2
+    S = np.diff(load_split(tokenized, "train", "en").offsets)[b.index] + 1
+    T = np.diff(load_split(tokenized, "train", "de").offsets)[b.index] + 1
+    cfg = {k: MODEL[k] for k in ("n_layers", "d_model", "d_ff", "n_heads", "d_k", "d_v")}
+    assert metrics["flops_analytic"] == pytest.approx(flops_lib.training_flops(VOCAB, **cfg, src_lens=S, tgt_lens=T))
+    assert metrics["train_tokens"] == int(T.sum())
+    assert 0 < metrics["mfu"] <= 1
+    assert metrics["mfu"] == pytest.approx(metrics["flops_analytic"] / (metrics["step_seconds"] * metrics["peak_flops"]))
+    assert metrics["flops_paper_estimate"] == pytest.approx(metrics["train_hours"] * 3600 * metrics["peak_flops"])
+    assert metrics["valid_ppl"] == pytest.approx(math.exp(metrics["valid_nll"]))
+    assert metrics["valid_loss"] > metrics["valid_nll"]  # smoothing adds the cross-entropy to the uniform
+    for key in ("steps", "train_hours", "tokens_per_second", "device", "devices", "peak_flops"):
+        assert key in metrics
+    rows = plot_rows(tmp_path)
+    assert [r["step"] for r in rows] == ["2", "4", "5"]
+    assert rows[0]["valid_ppl"] and rows[2]["valid_ppl"]  # evaluated at 2, 4 and the end
+    assert float(rows[2]["valid_ppl"]) == pytest.approx(metrics["valid_ppl"], rel=1e-4)
+    assert all(float(r["lr"]) > 0 and float(r["loss"]) > 0 for r in rows)
+
+
+def test_the_wall_clock_budget_stops_training_and_clock_checkpoints_are_written(tmp_path):
+    write_corpus(tmp_path)
+    # a budget far below one step: training stops after its first step, evaluates and saves
+    metrics = run_stage(tmp_path, write_params(tmp_path / "params.yaml", max_steps=1000, max_minutes=1e-9,
+                                               checkpoint_every=0, eval_every=0))
+    assert metrics["steps"] == 1 and "valid_ppl" in metrics
+    assert [p.name for p in complete_checkpoints(tmp_path / "checkpoints")] == ["step_00000001.pt"]
+    # checkpoint_minutes shorter than a step: a checkpoint after every step (keep 3)
+    metrics = run_stage(tmp_path, write_params(tmp_path / "params.yaml", max_steps=5, checkpoint_every=0,
+                                               checkpoint_minutes=1e-9, keep_checkpoints=3))
+    assert metrics["steps"] == 5
+    assert [p.name for p in complete_checkpoints(tmp_path / "checkpoints")] == [
+        "step_00000003.pt", "step_00000004.pt", "step_00000005.pt"]
+
+
+def test_resume_after_sigkill_ends_with_the_same_weights(tmp_path):
+    steps = 30
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    for root in (full, killed):
+        write_corpus(root)
+        write_params(root / "params.yaml", max_steps=steps, checkpoint_every=2, eval_every=5,
+                     model={"dropout": 0.1})  # dropout: the RNG state must be restored too
+    run_stage(full, full / "params.yaml")
+
+    cmd = [sys.executable, "-m", "stages.train", *stage_args(killed, killed / "params.yaml")]
+    env = stage_env()
+    one_core = dict(preexec_fn=lambda: os.sched_setaffinity(0, {0}))  # one thread, as in the run above: same sums
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            **one_core)
+    deadline = time.monotonic() + 120
+    while not list((killed / "checkpoints").glob("step_*.pt.sha256")) and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    sealed = sorted((killed / "checkpoints").glob("step_*.pt.sha256"))
+    assert sealed and int(sealed[-1].name[5:13]) < steps, "killed too late to test resuming"
+
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240, **one_core)
+    assert out.returncode == 0, out.stderr
+    assert "resuming from step" in out.stderr
+    a, b = final_weights(full), final_weights(killed)
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    steps_logged = [r["step"] for r in plot_rows(killed)]
+    assert steps_logged == [r["step"] for r in plot_rows(full)]  # no duplicated rows after the resume
+    assert json.loads((killed / "metrics" / "train.json").read_text())["train_tokens"] == \
+        json.loads((full / "metrics" / "train.json").read_text())["train_tokens"]
+
+
+def test_a_finished_run_rerun_with_more_steps_continues(tmp_path, caplog):
+    write_corpus(tmp_path)
+    run_stage(tmp_path, write_params(tmp_path / "params.yaml", max_steps=4))
+    caplog.clear()
+    metrics = run_stage(tmp_path, write_params(tmp_path / "params.yaml", max_steps=6))
+    assert "resuming from step 4" in caplog.text
+    assert metrics["steps"] == 6
+
+
+def test_changed_params_start_afresh_and_say_so(tmp_path, caplog):
+    write_corpus(tmp_path)
+    run_stage(tmp_path, write_params(tmp_path / "params.yaml", max_steps=4))
+    caplog.clear()
+    metrics = run_stage(tmp_path, write_params(tmp_path / "params.yaml", max_steps=4, label_smoothing=0.2))
+    assert "params changed" in caplog.text and "starting afresh" in caplog.text
+    assert "resuming" not in caplog.text
+    assert metrics["steps"] == 4
+    stale = list(tmp_path.glob("checkpoints.stale/*/step_00000004.pt"))
+    assert stale, "old checkpoints were not moved aside"
+    assert str(stale[0].parent) in caplog.text
+    assert load_checkpoint(complete_checkpoints(tmp_path / "checkpoints")[-1])["params_hash"] != \
+        load_checkpoint(stale[0])["params_hash"]
+
+
+def test_a_corrupt_newest_checkpoint_is_skipped_and_the_previous_one_resumed(tmp_path, caplog):
+    write_corpus(tmp_path)
+    params = write_params(tmp_path / "params.yaml", max_steps=4)
+    run_stage(tmp_path, params)
+    newest = tmp_path / "checkpoints" / "step_00000004.pt"
+    newest.write_bytes(newest.read_bytes()[:1000])  # truncated
+    caplog.clear()
+    metrics = run_stage(tmp_path, write_params(tmp_path / "params.yaml", max_steps=5))
+    assert "step_00000004.pt" in caplog.text and "skipping" in caplog.text
+    assert "resuming from step 2" in caplog.text
+    assert metrics["steps"] == 5
+
+
+# --- several processes ----------------------------------------------------------------------
+
+
+def test_two_processes_update_like_one_process_with_the_same_global_batch(tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    for root, devices in ((one, 1), (two, 2)):
+        write_corpus(root)
+        # 48 tokens per step = 2 batches of <= 24: one process accumulates 2, two processes take 1 each
+        write_params(root / "params.yaml", devices=devices, max_steps=4, checkpoint_every=0, eval_every=0)
+    m1 = run_stage(one, one / "params.yaml")
+    out = torchrun(two, two / "params.yaml", 2)
+    assert out.returncode == 0, out.stderr[-3000:]
+    m2 = json.loads((two / "metrics" / "train.json").read_text())
+    assert (m1["grad_accum"], m2["grad_accum"], m2["devices"]) == (2, 1, 2)
+    assert m1["train_tokens"] == m2["train_tokens"]
+    a, b = final_weights(one), final_weights(two)
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
+
+
+def test_eight_processes_share_every_batch_once_agree_and_only_rank_0_writes(tmp_path):
+    write_corpus(tmp_path, n_train=60)  # 15 batches: the epoch ends inside the second step of 8
+    params = write_params(tmp_path / "params.yaml", devices=8, tokens_per_step=8 * 24, max_steps=3,
+                          checkpoint_every=1, keep_checkpoints=2, eval_every=2, log_every=1)
+    trace_dir = tmp_path / "trace"
+    trace_dir.mkdir()
+    db = tmp_path / "mlflow.db"
+    out = torchrun(tmp_path, params, 8, STAGES_TRAIN_TRACE=str(trace_dir), MLFLOW_TRACKING_URI=f"sqlite:///{db}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    num_batches = len(load_batches(tmp_path / "batches", "train"))
+    traces = [[json.loads(line) for line in (trace_dir / f"rank{r}.jsonl").read_text().splitlines()] for r in range(8)]
+    assert all([t["step"] for t in tr] == [1, 2, 3] for tr in traces)
+    epoch_0 = [b for tr in traces for t in tr if t["step"] <= 2 for b in t["batches"]]
+    assert 8 < num_batches < 16  # so rank 7 has no batch in step 2 and joins with a zero-weight one
+    assert sorted(epoch_0) == list(range(num_batches))  # steps 1-2 are exactly epoch 0
+    for step in range(3):
+        assert len({tr[step]["checksum"] for tr in traces}) == 1, f"ranks disagree after step {step + 1}"
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "step_00000002.pt", "step_00000002.pt.sha256", "step_00000003.pt", "step_00000003.pt.sha256"]
+    assert [r["step"] for r in plot_rows(tmp_path)] == ["1", "2", "3"]
+    final = final_weights(tmp_path)
+    assert sum(v.double().sum().item() for k, v in final.items()) == pytest.approx(traces[0][2]["checksum"], rel=1e-9)
+    client = MlflowClient(f"sqlite:///{db}")
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert sorted(r.data.tags.get("stage", "parent") for r in runs) == ["parent", "train"]
