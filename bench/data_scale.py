@@ -1,6 +1,6 @@
 """Data-scale benchmark: the tokenize and batch stages on a WMT14-sized corpus, and batching on Multi30k.
 
-    python -m bench.data_scale [--pairs 4500000] [--mirror /work/shared/mirror] [--work DIR]
+    python -m bench.data_scale [--pairs 4500000] [--mirror DIR (default: $CORPUS_MIRROR, else ../shared/mirror)] [--work DIR]
                                [--input-sentence-size 1000000]
 
 1. Synthesizes `--pairs` aligned pairs from the mirror's real text (Multi30k
@@ -159,7 +159,8 @@ def multi30k_efficiency(mirror: Path, work: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=4_500_000)
-    parser.add_argument("--mirror", type=Path, default=Path("/work/shared/mirror"))
+    default_mirror = os.environ.get("CORPUS_MIRROR") or Path(__file__).resolve().parents[2] / "shared" / "mirror"
+    parser.add_argument("--mirror", type=Path, default=Path(default_mirror))
     parser.add_argument("--work", type=Path, default=None, help="kept if given; else a temporary directory")
     parser.add_argument("--input-sentence-size", type=int, default=1_000_000)
     parser.add_argument("--max-tokens", type=int, default=3125)
