@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
                 metrics[f"{split}_num_batches"] = len(batches)
                 if stats:
                     metrics[f"{split}_padding_efficiency"] = stats["padding_efficiency"]
-    write_json(args.metrics, metrics)
+        write_json(args.metrics, metrics)  # inside atomic_dir: a failure here keeps the old batches too
 
 
 if __name__ == "__main__":

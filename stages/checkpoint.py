@@ -31,6 +31,7 @@ from typing import BinaryIO
 import numpy as np
 import torch
 
+from stages import faults
 from stages.files import atomic_file, write_text
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,7 @@ def save_checkpoint(directory: str | Path, payload: dict, keep: int) -> Path:
     with atomic_file(path, "wb") as f:
         writer = _HashingWriter(f)
         torch.save(payload, writer)
+        faults.inject("checkpoint_write", int(payload["step"]))  # tests only: killed with the temporary file unrenamed
     write_text(sidecar(path), f"{writer.sha.hexdigest()}  {path.name}\n")
     for _, old in step_files(directory)[:-keep]:
         old.unlink(missing_ok=True)
@@ -145,6 +147,9 @@ def resume_point(directory: str | Path, params_hash: str) -> tuple[Path, dict] |
     `<directory>.stale/<time>/`, logged, so a fresh run starts from an empty directory.
     """
     directory = Path(directory)
+    for tmp in directory.glob(".step_*.tmp") if directory.is_dir() else []:  # a write killed before its rename
+        log.warning("removing %s, left by an interrupted checkpoint write", tmp)
+        tmp.unlink()
     complete = complete_checkpoints(directory)
     payload = load_checkpoint(complete[-1]) if complete else None
     if payload is not None and payload.get("params_hash") == params_hash:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import contextlib
 import gzip
 import io
 import itertools
@@ -165,7 +166,7 @@ def read_sgm(lines: Iterable[str], label: str) -> list[Segment]:
         if line.startswith("<doc "):
             match = _DOCID.search(line)
             docid = match[1] if match else ""
-        elif line.startswith("<seg "):
+        elif re.match(r"<seg[\s>]", line):  # `<seg>` without attributes too: a segment without an id is an error
             match = _SEG_ID.match(line)
             if match is None or "</seg>" not in line:
                 raise DownloadError(f"{label}: line {n}: expected <seg id=N>text</seg> on one line, got {line[:80]!r}")
@@ -194,6 +195,32 @@ def check_segments(src: list[Segment], ref: list[Segment], src_label: str, ref_l
                 f"{src_label} and {ref_label}: segment {n} is docid={a[0]!r} segid={a[1]} in the first, "
                 f"docid={b[0]!r} segid={b[1]} in the second"
             )
+
+
+_SET_TAG = re.compile(r"<(srcset|refset|tstset)\b([^>]*)>")
+_LANG_ATTR = re.compile(r'\b(srclang|trglang)\s*=\s*"([^"]*)"')
+HEADER_LINES = 10  # where an SGML file's <srcset>/<refset> tag is looked for
+
+
+def check_languages(data: DataConfig, local: dict[FileSource, Local]) -> None:
+    """An SGML file's declared language (trglang of a refset, else srclang; "any" passes) must be the side's."""
+    for key, _, side, source in iter_sources(data):
+        name = _format_name(source)
+        if not name.removesuffix(".gz").endswith(".sgm"):
+            continue
+        lang_key, expected = ("data.src_lang", data.src_lang) if side == "src" else ("data.tgt_lang", data.tgt_lang)
+        lines = read_lines(local[source].path, name.endswith(".gz"), label_of(source))
+        with contextlib.closing(lines):
+            for n, line in enumerate(itertools.islice(lines, HEADER_LINES), 1):
+                if tag := _SET_TAG.search(line):
+                    attr = "srclang" if tag[1] == "srcset" else "trglang"
+                    declared = dict(_LANG_ATTR.findall(tag[2])).get(attr, "any")
+                    if declared not in ("any", expected):
+                        raise DownloadError(
+                            f"{label_of(source)}: line {n}: <{tag[1]}> declares {attr}=\"{declared}\" but {key} is "
+                            f"the {lang_key} = {expected!r} side; wrong file for this language pair?"
+                        )
+                    break
 
 
 def corpus_lines(corpus: Corpus, local: dict[FileSource, Local]) -> tuple[Iterable[str], Iterable[str]]:
@@ -272,6 +299,7 @@ def main(argv: list[str] | None = None) -> None:
     cache = args.cache or args.out.parent / ".cache" / "download"
     with requests.Session() as session:
         local = fetch_all(data, cache, mirror, session)
+    check_languages(data, local)
 
     metrics: dict[str, int | str] = {}
     with atomic_dir(args.out) as tmp:

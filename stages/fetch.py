@@ -9,6 +9,7 @@ keeps downloads at `<cache>/files/<host>/<path>` and extracted members at
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import os
@@ -25,7 +26,7 @@ import urllib3
 from tqdm import tqdm
 
 from stages.config import FileSource
-from stages.files import atomic_file
+from stages.files import OutputError, atomic_file
 
 log = logging.getLogger(__name__)
 
@@ -176,6 +177,10 @@ def download(url: str, dest: Path, session: requests.Session) -> None:
             reason = "connection closed before the whole body came"
         except _RETRYABLE as e:
             reason = str(e)
+        except OSError as e:  # the disk, not the network: no retry, and name the file
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            raise OutputError(e.errno, f"could not write {part}: {e.strerror}") from e
         if attempt == TRIES:
             kept = f" (partial file kept, a re-run resumes it: {part})" if part.exists() else ""
             raise DownloadError(f"{url}: failed after {TRIES} tries: {reason}{kept}")

@@ -189,11 +189,12 @@ class SideWriter:
         ids_path, offsets_path = split_paths(out, split, lang)
         self.ids_file, self.offsets_file = open(ids_path, "wb"), open(offsets_path, "wb")
         self.sentences, self.tokens, self.unk = 0, 0, 0
-        np.zeros(1, OFFSET_DTYPE).tofile(self.offsets_file)
+        # file.write, not ndarray.tofile: tofile ignores a failing fclose, so a full disk would go unnoticed
+        self.offsets_file.write(np.zeros(1, OFFSET_DTYPE).tobytes())
 
     def append(self, ids: np.ndarray, lengths: np.ndarray) -> None:
-        ids.tofile(self.ids_file)
-        (self.tokens + np.cumsum(lengths, dtype=OFFSET_DTYPE)).tofile(self.offsets_file)
+        self.ids_file.write(ids.tobytes())
+        self.offsets_file.write((self.tokens + np.cumsum(lengths, dtype=OFFSET_DTYPE)).tobytes())
         self.sentences, self.tokens = self.sentences + len(lengths), self.tokens + len(ids)
         self.unk += int(np.count_nonzero(ids == UNK_ID))
 
@@ -232,8 +233,13 @@ def encode_split(
     return writers[0], writers[1], dict(zip(DROP_REASONS, dropped[1:].tolist()))
 
 
-def tokenize(raw: Path, out: Path, langs: tuple[str, str], cfg: TokenizeConfig) -> dict:
-    """Train the shared model, encode every split into `out` (atomically) and return flat metrics."""
+def tokenize(
+    raw: Path, out: Path, langs: tuple[str, str], cfg: TokenizeConfig, metrics_path: Path | None = None
+) -> dict:
+    """Train the shared model, encode every split into `out` (atomically) and return flat metrics.
+
+    `metrics_path` is written before `out` is swapped in: a failure there leaves the old `out`.
+    """
     lines = check_raw(raw, langs)
     log.info("lines per split: %s", lines)
     with atomic_dir(out) as tmp:
@@ -262,6 +268,8 @@ def tokenize(raw: Path, out: Path, langs: tuple[str, str], cfg: TokenizeConfig) 
         kept = {split: metrics[f"{split}_pairs"] for split in SPLITS}
         meta = {"vocab_size": metrics["vocab_size"], "src_lang": langs[0], "tgt_lang": langs[1], "lines": kept}
         write_json(tmp / "meta.json", meta)
+        if metrics_path is not None:
+            write_json(metrics_path, metrics)
     log.info("wrote %s: %s pairs", out, kept)
     return metrics
 
@@ -277,8 +285,7 @@ def main(argv: list[str] | None = None) -> None:
     data = config.load(args.params, "data", DataConfig)
     cfg = config.load(args.params, "tokenize", TokenizeConfig)
     check_config(cfg, args.params)
-    metrics = tokenize(args.raw, args.out, (data.src_lang, data.tgt_lang), cfg)
-    write_json(args.metrics, metrics)
+    tokenize(args.raw, args.out, (data.src_lang, data.tgt_lang), cfg, args.metrics)
 
 
 if __name__ == "__main__":

@@ -49,7 +49,7 @@ from model import flops as flops_lib
 from model.schedule import lrate
 from model.transformer import Transformer, build_transformer
 from stages import checkpoint as ckpt
-from stages import config, distributed, tracking
+from stages import config, distributed, faults, tracking
 from stages.config import BatchConfig, ModelConfig, TrainConfig
 from stages.corpus import BOS_ID, EOS_ID, PAD_ID, Batches, EncodedSplit, batch_paths, load_batches, load_split, read_meta
 from stages.distributed import Dist
@@ -121,6 +121,10 @@ class Corpus:
         return Corpus(load_split(tokenized, "train", s), load_split(tokenized, "train", t),
                       load_split(tokenized, "valid", s), load_split(tokenized, "valid", t),
                       load_batches(batches, "train"), load_batches(batches, "valid"))
+
+    def valid_fits(self, max_positions: int) -> np.ndarray:
+        """Per valid pair: whether both sides, with EOS / BOS, fit the model's positions."""
+        return np.maximum(np.diff(self.valid_src.offsets), np.diff(self.valid_tgt.offsets)) + 1 <= max_positions
 
     def lengths(self, batch_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Model lengths (source + EOS, target + BOS/EOS) of every pair in train batches `batch_ids`."""
@@ -385,8 +389,13 @@ class Trainer:
         if ctx.world > 1:
             self.loss_model = DistributedDataParallel(self.loss_model, device_ids=[ctx.local_rank] if ctx.cuda else None)
         self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if ctx.cuda else contextlib.nullcontext()
-        self.valid = [make_batch(self.corpus.valid_src, self.corpus.valid_tgt, self.corpus.valid_batches[b], ctx.device)
-                      for b in range(ctx.rank, len(self.corpus.valid_batches), ctx.world)]
+        fits = self.corpus.valid_fits(model_cfg.max_positions)  # valid is never length-filtered (stages.tokenize)
+        if not fits.all():
+            log.warning("%s: %d valid pair(s) longer than model.max_positions = %d are left out of validation",
+                        args.tokenized, int((~fits).sum()), model_cfg.max_positions)
+        mine = (self.corpus.valid_batches[b] for b in range(ctx.rank, len(self.corpus.valid_batches), ctx.world))
+        self.valid = [make_batch(self.corpus.valid_src, self.corpus.valid_tgt, rows[fits[rows]], ctx.device)
+                      for rows in mine if fits[rows].any()]
         self.peak, self.fp32_tflops, self.device_name = peak_flops(ctx) if ctx.is_main else (0.0, 0.0, "")
         run.log_params({"model": asdict(model_cfg), "train": asdict(cfg), "batch.max_tokens": max_tokens,
                         "grad_accum": self.accum, "device": self.device_name, "params_hash": self.phash})
@@ -428,6 +437,7 @@ class Trainer:
         micro = micro_batches(self.corpus, mine, n_micro, int(step_ids[0]), ctx.device)
         S, T = self.corpus.lengths(step_ids)
         lr = self.cfg.lr_factor * lrate(p.step + 1, m.d_model, self.cfg.warmup_steps)
+        faults.inject("step", p.step + 1)  # tests only: TRANSFORMER_FAULT=step@N kills the process here
         loss_sum = train_step(self.loss_model, self.optimizer, micro, int(T.sum()), lr, ctx, self.autocast)
         p.step += 1
         p.train_tokens += int(T.sum())
@@ -467,6 +477,7 @@ class Trainer:
                 or (cfg.checkpoint_minutes > 0 and time.monotonic() - last_save >= cfg.checkpoint_minutes * 60)], ctx)
             evaluated = stop or (cfg.eval_every > 0 and p.step % cfg.eval_every == 0)
             if evaluated:
+                faults.inject("validation", p.step)  # tests only: TRANSFORMER_FAULT=validation@N kills the process here
                 p.valid = evaluate(self.model, self.valid, cfg.label_smoothing, ctx, self.autocast)
                 log.info("step %d: valid loss %.4f, nll %.4f, ppl %.2f", p.step, p.valid["valid_loss"],
                          p.valid["valid_nll"], p.valid["valid_ppl"])

@@ -45,6 +45,7 @@ from tqdm import tqdm
 from model.beam_search import beam_search
 from model.transformer import Transformer, build_transformer
 from stages import config, tracking
+from stages.checkpoint import load_checkpoint
 from stages.config import ParamsError, TranslateConfig
 from stages.corpus import BOS_ID, EOS_ID, PAD_ID, load_split, read_meta
 from stages.files import atomic_dir, write_text
@@ -68,7 +69,7 @@ def load_model(model_dir: Path, device: torch.device) -> Transformer:
     path = model_dir / "model.pt"
     if not path.exists():
         raise FileNotFoundError(f"{path}: missing; run the average stage first")
-    saved = torch.load(path, map_location="cpu", weights_only=True)
+    saved = load_checkpoint(path)  # torch.load(weights_only=True); a refusal names the file
     model = build_transformer(saved["vocab_size"], **saved["model_config"])
     model.load_state_dict(saved["model"])
     return model.to(device).eval()
