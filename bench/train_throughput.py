@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from model import flops as flops_lib
+from model import loss as loss_lib
 from model.transformer import build_transformer, sinusoidal_encoding
 from stages import distributed, train
 from stages.batch import make_batches
@@ -128,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.manual_seed(0)
     ours = build_transformer(VOCAB, **cfg)
-    loss_model = train.SmoothedLoss(ours, 0.1)
+    loss_model = loss_lib.SmoothedLoss(ours, 0.1)
     ours_opt = torch.optim.Adam(ours.parameters(), betas=(0.9, 0.98), eps=1e-9, fused=True)
     base = TorchTransformer(**cfg)
     base_opt = torch.optim.Adam(base.parameters(), betas=(0.9, 0.98), eps=1e-9, fused=True)

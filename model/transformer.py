@@ -217,23 +217,34 @@ class Transformer(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """Xavier-uniform matrices, zero biases; embeddings N(0, d_model^-0.5).
+        """W^Q, W^K, W^V Xavier-uniform as one stacked matrix; W^O, W_1, W_2 U(+-1/sqrt(fan_in)); zero biases;
+        embeddings N(0, d_model^-0.5).
 
-        # Paper: initialisation is not specified; these follow tensor2tensor, so that
-        # embeddings scaled by sqrt(d_model) start with unit variance.
+        # Paper: initialisation is not specified. The attention and feed-forward
+        # scheme is torch.nn.Transformer's (nn.MultiheadAttention's in_proj, nn.Linear's
+        # default elsewhere); on Multi30k it reached valid ppl 49.7 after 0.75M target
+        # tokens against 70.8 with Xavier on every matrix (README, "Choosing the small
+        # model"). Embeddings follow tensor2tensor: scaled by sqrt(d_model) they start
+        # with unit variance.
         """
-        for name, p in self.named_parameters():
-            if name.endswith("bias"):
-                nn.init.zeros_(p)
-            elif p.dim() == 2 and "embedding" not in name and "learned_pe" not in name:
-                nn.init.xavier_uniform_(p)
-        for module in self.modules():  # fused W^Q|W^K|W^V: each block as if it stood alone
+        for module in self.modules():
             if isinstance(module, MultiHeadAttention):
-                fused = module.w_qkv if module.self_attention else module.w_kv
                 h = module.n_heads
-                sizes = [h * module.d_k, h * module.d_k, h * module.d_v][-(3 if module.self_attention else 2):]
-                for block in fused.weight.data.split(sizes, dim=0):
-                    nn.init.xavier_uniform_(block)
+                fused = [module.w_qkv] if module.self_attention else [module.w_q, module.w_kv]
+                d_in = fused[0].in_features
+                bound = math.sqrt(6.0 / (d_in + h * (2 * module.d_k + module.d_v)))  # Xavier of the stacked matrix
+                for linear in fused:
+                    nn.init.uniform_(linear.weight, -bound, bound)
+                    nn.init.zeros_(linear.bias)
+                linears = [module.w_o]
+            elif isinstance(module, FeedForward):
+                linears = [module.w_1, module.w_2]
+            else:
+                continue
+            for linear in linears:
+                bound = 1.0 / math.sqrt(linear.in_features)
+                nn.init.uniform_(linear.weight, -bound, bound)
+                nn.init.zeros_(linear.bias)
         nn.init.normal_(self.embedding.weight, std=self.d_model**-0.5)
         with torch.no_grad():
             self.embedding.weight[self.pad_id].zero_()

@@ -14,11 +14,9 @@ Writes reports/attention/test_{line}.png (the directory is replaced whole).
 
 from __future__ import annotations
 
-import argparse
 import io
 import logging
 import math
-from pathlib import Path
 
 import numpy as np
 import sentencepiece as spm
@@ -26,7 +24,7 @@ import torch
 from matplotlib.figure import Figure
 
 from model.transformer import Transformer
-from stages import config
+from stages import cli, config
 from stages.config import TranslateConfig
 from stages.corpus import BOS_ID, EOS_ID, EncodedSplit, load_split, read_meta
 from stages.files import atomic_dir, write_bytes
@@ -91,15 +89,10 @@ def draw(model: Transformer, sp: spm.SentencePieceProcessor, src_ids: list[int],
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, required=True)
-    parser.add_argument("--tokenized", type=Path, required=True)
-    parser.add_argument("--raw", type=Path, required=True)
-    parser.add_argument("--out", type=Path, required=True)
+    parser = cli.stage_parser(__doc__, "model", "tokenized", "raw", "out")
     parser.add_argument("--n", type=int, default=3, help="number of test sentences to draw")
-    parser.add_argument("--params", type=Path, default=Path("params.yaml"))
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cli.setup_logging()
     cfg = config.load(args.params, "translate", TranslateConfig)
     check_config(cfg, args.params)
     model = load_model(args.model, torch.device("cpu"))

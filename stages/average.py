@@ -18,7 +18,6 @@ data/model/ (replaced whole, atomically):
 
 from __future__ import annotations
 
-import argparse
 import logging
 from dataclasses import asdict
 from pathlib import Path
@@ -26,7 +25,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from stages import config, tracking
+from stages import cli, config, tracking
 from stages.checkpoint import complete_checkpoints, load_checkpoint
 from stages.config import AverageConfig, ParamsError
 from stages.files import atomic_dir, write_json
@@ -95,12 +94,9 @@ def average_checkpoints(paths: list[Path]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--checkpoints", type=Path, required=True)
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--params", type=Path, default=Path("params.yaml"))
+    parser = cli.stage_parser(__doc__, "checkpoints", "out")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cli.setup_logging()
     cfg = config.load(args.params, "average", AverageConfig)
     if cfg.last_n < 1:
         raise ParamsError(f"{args.params}: average.last_n = {cfg.last_n}: expected at least 1")

@@ -43,13 +43,12 @@ valid_num_batches, valid_padding_efficiency; max_tokens.
 
 from __future__ import annotations
 
-import argparse
 import logging
 from pathlib import Path
 
 import numpy as np
 
-from stages import config
+from stages import cli, config
 from stages.config import BatchConfig
 from stages.corpus import Batches, batch_paths, load_split, read_meta
 from stages.files import atomic_dir, write_json
@@ -130,13 +129,9 @@ def padding_stats(S: np.ndarray, T: np.ndarray, batches: Batches) -> dict[str, f
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokenized", type=Path, required=True)
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--metrics", type=Path, required=True)
-    parser.add_argument("--params", type=Path, default=Path("params.yaml"))
+    parser = cli.stage_parser(__doc__, "tokenized", "out", "metrics")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cli.setup_logging()
     cfg = config.load(args.params, "batch", BatchConfig)
     metrics: dict[str, float] = {"max_tokens": cfg.max_tokens}
     with atomic_dir(args.out) as tmp:

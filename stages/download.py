@@ -34,6 +34,7 @@ from typing import Iterable, Iterator, TextIO
 import requests
 from tqdm import tqdm
 
+from stages import cli
 from stages.config import Corpus, DataConfig, FileSource, ParamsError, load
 from stages.corpus import SPLITS
 from stages.fetch import (
@@ -291,7 +292,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--params", type=Path, default=Path("params.yaml"))
     parser.add_argument("--cache", type=Path, help="download cache (default: .cache/download beside --out)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cli.setup_logging()
 
     data = load(args.params, "data", DataConfig)
     check_params(data)

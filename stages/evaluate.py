@@ -24,7 +24,6 @@ written.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import re
 from dataclasses import asdict, dataclass
@@ -33,7 +32,7 @@ from pathlib import Path
 from sacrebleu.metrics import BLEU, CHRF
 from sacremoses import MosesTokenizer
 
-from stages import config, tracking
+from stages import cli, config, tracking
 from stages.config import DataConfig, EvaluateConfig
 from stages.files import write_json
 
@@ -130,13 +129,9 @@ def evaluate(translations: Path, raw: Path, lang: str, tokenize: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--translations", type=Path, required=True)
-    parser.add_argument("--raw", type=Path, required=True)
-    parser.add_argument("--metrics", type=Path, required=True)
-    parser.add_argument("--params", type=Path, default=Path("params.yaml"))
+    parser = cli.stage_parser(__doc__, "translations", "raw", "metrics")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cli.setup_logging()
     cfg = config.load(args.params, "evaluate", EvaluateConfig)
     lang = config.load(args.params, "data", DataConfig).tgt_lang
     with tracking.stage_run("evaluate", args.params) as run:

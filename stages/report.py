@@ -33,7 +33,7 @@ from pathlib import Path
 import pandas as pd
 from matplotlib.figure import Figure
 
-from stages import tracking
+from stages import cli, tracking
 from stages.files import write_bytes, write_text
 
 log = logging.getLogger(__name__)
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=Path("reports"))
     parser.add_argument("--tracking-uri", help="default: $MLFLOW_TRACKING_URI, else mlflow.db in the repo root")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cli.setup_logging()
     uri = args.tracking_uri or tracking.tracking_uri(Path("params.yaml"))
     runs = load_runs(uri)
     write_text(args.out / "report.md", render_markdown(runs, uri))

@@ -25,7 +25,6 @@ applies); {split}_src_tokens, {split}_tgt_tokens (no BOS/EOS); {split}_unk_rate.
 
 from __future__ import annotations
 
-import argparse
 import codecs
 import itertools
 import logging
@@ -39,7 +38,7 @@ import sentencepiece as spm
 from sentencepiece import sentencepiece_model_pb2
 from tqdm import tqdm
 
-from stages import config
+from stages import cli, config
 from stages.config import DataConfig, ParamsError, TokenizeConfig
 from stages.corpus import BOS_ID, EOS_ID, ID_DTYPE, OFFSET_DTYPE, PAD_ID, SPLITS, UNK_ID, split_paths
 from stages.files import atomic_dir, write_json
@@ -275,13 +274,9 @@ def tokenize(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--raw", type=Path, required=True)
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--metrics", type=Path, required=True)
-    parser.add_argument("--params", type=Path, default=Path("params.yaml"))
+    parser = cli.stage_parser(__doc__, "raw", "out", "metrics")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cli.setup_logging()
     data = config.load(args.params, "data", DataConfig)
     cfg = config.load(args.params, "tokenize", TokenizeConfig)
     check_config(cfg, args.params)

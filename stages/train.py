@@ -39,17 +39,17 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from model import flops as flops_lib
+from model.loss import SmoothedLoss, real_hidden, smoothed_and_nll
 from model.schedule import lrate
 from model.transformer import Transformer, build_transformer
 from stages import checkpoint as ckpt
-from stages import config, distributed, faults, tracking
+from stages import cli, config, distributed, faults, tracking
 from stages.config import BatchConfig, ModelConfig, TrainConfig
 from stages.corpus import BOS_ID, EOS_ID, PAD_ID, Batches, EncodedSplit, batch_paths, load_batches, load_split, read_meta
 from stages.distributed import Dist
@@ -140,88 +140,6 @@ def micro_batches(corpus: Corpus, mine: list[int], n_micro: int, spare: int, dev
         filler = micro[0][0] if micro else make_batch(corpus.train_src, corpus.train_tgt, corpus.train_batches[spare], device)
         micro += [(filler, False)] * (n_micro - len(micro))
     return micro
-
-
-# --- loss -----------------------------------------------------------------------------
-
-
-def real_hidden(model: Transformer, src: Tensor, tgt_in: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
-    """Decoder outputs [N, D] and labels [N] of the N real (non-pad) target positions only.
-
-    The output projection (V x D per position, the largest matrix product for a
-    small model) is then computed only where there is a token to predict.
-    """
-    memory, src_mask = model.encode(src)
-    hidden = model.decode(tgt_in, memory, src_mask)  # [B, T, D]
-    real = labels != PAD_ID
-    return hidden[real], labels[real]  # [B, T, D] -> [N, D]
-
-
-class ProjectedSmoothedLoss(torch.autograd.Function):
-    """sum over rows of label-smoothed cross-entropy(hidden @ weight^T, targets), gradients taken chunk by chunk.
-
-    The same function as F.cross_entropy(model.project(hidden), targets,
-    label_smoothing, reduction="sum"), but the [N, V] logits never exist whole:
-    each chunk of rows is projected, its loss and its logit gradient
-    softmax(z) - q (q = (1 - eps) one_hot + eps / V, the smoothed target of Sec.
-    5.4) taken at once and pushed through the two matrix products; backward only
-    scales the stored gradients. On a 2-core CPU this part of the step takes
-    ~40% less time (no log_softmax backward, no [N, V] temporaries).
-    """
-
-    CHUNK = 512  # rows per chunk: measured best on a 2-core CPU for V = 8000 (256: +3%, 1024: +1%)
-
-    @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, label_smoothing: float) -> Tensor:
-        eps, V = label_smoothing, weight.shape[0]
-        loss = torch.zeros((), dtype=torch.float64, device=hidden.device)
-        grad_hidden, grad_weight = torch.empty_like(hidden), torch.zeros_like(weight)
-        for start in range(0, hidden.shape[0], ProjectedSmoothedLoss.CHUNK):
-            h = hidden[start : start + ProjectedSmoothedLoss.CHUNK]  # [n, D]
-            y = targets[start : start + ProjectedSmoothedLoss.CHUNK]
-            z = h @ weight.t()  # [n, V]
-            z_y, z_mean, z_max = z.gather(1, y[:, None])[:, 0], z.mean(dim=-1), z.amax(dim=-1, keepdim=True)
-            e = z.sub_(z_max).exp_()  # exp(z - max z), in place of z
-            total = e.sum(dim=-1, keepdim=True)
-            lse = (z_max + total.log())[:, 0]
-            # -sum_k q_k log softmax(z)_k = lse - (1 - eps) z_y - eps mean_k z_k
-            loss += (lse - (1 - eps) * z_y - eps * z_mean).sum().double()
-            g = torch.addcmul(e.new_tensor(-eps / V), e, total.reciprocal(), out=e)  # softmax(z) - eps / V
-            g[torch.arange(len(y), device=g.device), y] -= 1 - eps
-            grad_hidden[start : start + len(y)] = g @ weight
-            grad_weight.addmm_(g.t(), h)
-        ctx.save_for_backward(grad_hidden, grad_weight)
-        return loss.to(hidden.dtype)
-
-    @staticmethod
-    def backward(ctx, grad_loss: Tensor) -> tuple[Tensor, Tensor, None, None]:
-        grad_hidden, grad_weight = ctx.saved_tensors
-        return grad_hidden * grad_loss, grad_weight * grad_loss, None, None
-
-
-class SmoothedLoss(nn.Module):
-    """The model with its training loss: label-smoothed cross-entropy summed over real target tokens (Sec. 5.4)."""
-
-    def __init__(self, model: Transformer, label_smoothing: float):
-        super().__init__()
-        self.model, self.label_smoothing = model, label_smoothing
-
-    def forward(self, src: Tensor, tgt_in: Tensor, labels: Tensor) -> Tensor:
-        hidden, targets = real_hidden(self.model, src, tgt_in, labels)
-        if hidden.device.type == "cpu" and torch.is_grad_enabled():
-            # model.project() is hidden @ embedding.weight^T (Sec. 3.4); test_train checks the two agree.
-            return ProjectedSmoothedLoss.apply(hidden, self.model.embedding.weight, targets, self.label_smoothing)
-        # GPUs: bf16 autocast manages the precision of log_softmax; memory bandwidth is not the bottleneck there.
-        logits = self.model.project(hidden)
-        return F.cross_entropy(logits, targets, label_smoothing=self.label_smoothing, reduction="sum")
-
-
-def smoothed_and_nll(logits: Tensor, targets: Tensor, label_smoothing: float) -> tuple[Tensor, Tensor]:
-    """Summed label-smoothed cross-entropy and summed plain NLL of the same logits."""
-    logp = logits.float().log_softmax(dim=-1)
-    nll = -logp.gather(1, targets[:, None]).sum()
-    uniform = -logp.mean(dim=-1).sum()  # cross-entropy against the uniform distribution over V
-    return (1 - label_smoothing) * nll + label_smoothing * uniform, nll
 
 
 @torch.no_grad()
@@ -361,6 +279,15 @@ def peak_flops(ctx: Dist) -> tuple[float, float, str]:
     return measured, measured / 1e12, f"{cpu_name()} ({torch.get_num_threads()} threads/process)"
 
 
+def progress_bar(cfg: TrainConfig, p: Progress, show: bool) -> tqdm:
+    """Steps out of max_steps, or, under a wall-clock budget (max_minutes), seconds out of that budget."""
+    if cfg.max_minutes > 0:
+        total = cfg.max_minutes * 60
+        return tqdm(total=total, initial=min(p.elapsed_seconds, total), disable=not show, unit="s",
+                    dynamic_ncols=True, bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} s [{elapsed}<{remaining}{postfix}]")
+    return tqdm(total=cfg.max_steps, initial=p.step, disable=not show, unit="step", dynamic_ncols=True)
+
+
 # --- the loop ---------------------------------------------------------------------------
 
 
@@ -454,7 +381,7 @@ class Trainer:
         interval = torch.zeros(2, dtype=torch.float64, device=ctx.device)  # loss sum, tokens since the last row
         interval_seconds, interval_tokens, saved_at = 0.0, 0, p.step
         start, last_save = time.monotonic() - p.elapsed_seconds, time.monotonic()
-        bar = tqdm(total=cfg.max_steps, initial=p.step, disable=not ctx.is_main, unit="step", dynamic_ncols=True)
+        bar = progress_bar(cfg, p, ctx.is_main)
         stop = p.step >= cfg.max_steps or (cfg.max_minutes > 0 and p.elapsed_seconds >= cfg.max_minutes * 60)
         while not stop:
             t0 = time.perf_counter()
@@ -468,8 +395,8 @@ class Trainer:
             seconds = time.perf_counter() - t0
             p.step_seconds += seconds
             interval_seconds, interval_tokens = interval_seconds + seconds, interval_tokens + p.train_tokens - tokens_before
-            bar.update(1)
             p.elapsed_seconds = time.monotonic() - start
+            bar.update(min(p.elapsed_seconds, cfg.max_minutes * 60) - bar.n if cfg.max_minutes > 0 else 1)
             # rank 0 decides for all: clocks differ between processes
             stop, due_save = distributed.broadcast_flags([
                 p.step >= cfg.max_steps or (cfg.max_minutes > 0 and p.elapsed_seconds >= cfg.max_minutes * 60),
@@ -486,7 +413,7 @@ class Trainer:
                 loss, tokens = distributed.all_sum(interval, ctx).tolist()
                 row_loss, tok_s = (loss / tokens if tokens else None), interval_tokens / interval_seconds
                 self.record([p.step, row_loss, lr, tok_s, p.valid["valid_ppl"] if evaluated else None])
-                bar.set_postfix(loss=f"{row_loss:.3f}" if row_loss else "-", lr=f"{lr:.2e}", tok_s=f"{tok_s:.0f}")
+                bar.set_postfix(step=p.step, loss=f"{row_loss:.3f}" if row_loss else "-", lr=f"{lr:.2e}", tok_s=f"{tok_s:.0f}")
                 log.info("step %d | epoch %d | loss %.4f | lr %.3e | %.0f tok/s", p.step, p.epoch,
                          row_loss or float("nan"), lr, tok_s)
                 self.run.log_metrics({"loss": row_loss or float("nan"), "lr": lr, "interval_tokens_per_second": tok_s},
@@ -528,20 +455,13 @@ class Trainer:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokenized", type=Path, required=True)
-    parser.add_argument("--batches", type=Path, required=True)
-    parser.add_argument("--checkpoints", type=Path, required=True)
-    parser.add_argument("--metrics", type=Path, required=True)
-    parser.add_argument("--plot", type=Path, required=True)
-    parser.add_argument("--params", type=Path, default=Path("params.yaml"))
+    parser = cli.stage_parser(__doc__, "tokenized", "batches", "checkpoints", "metrics", "plot")
     args = parser.parse_args(argv)
     model_cfg = config.load(args.params, "model", ModelConfig)
     cfg = config.load(args.params, "train", TrainConfig)
     max_tokens = config.load(args.params, "batch", BatchConfig).max_tokens
     ctx = distributed.setup(cfg.devices)
-    logging.basicConfig(level=logging.INFO if ctx.is_main else logging.WARNING,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cli.setup_logging(logging.INFO if ctx.is_main else logging.WARNING)
     try:
         with tracking.stage_run("train", args.params, enabled=ctx.is_main) as run, logging_redirect_tqdm():
             metrics = Trainer(args, model_cfg, cfg, max_tokens, ctx, run).fit()

@@ -44,7 +44,7 @@ from tqdm import tqdm
 
 from model.beam_search import beam_search
 from model.transformer import Transformer, build_transformer
-from stages import config, tracking
+from stages import cli, config, tracking
 from stages.checkpoint import load_checkpoint
 from stages.config import ParamsError, TranslateConfig
 from stages.corpus import BOS_ID, EOS_ID, PAD_ID, load_split, read_meta
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not args.stdin and (args.raw is None or args.out is None):
         parser.error("--raw and --out are required unless --stdin is given")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cli.setup_logging()
     cfg = config.load(args.params, "translate", TranslateConfig)
     check_config(cfg, args.params)
     if "OMP_NUM_THREADS" not in os.environ:  # an explicit setting wins

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from mlflow.tracking import MlflowClient
 
 from model import flops as flops_lib
+from model import loss as loss_lib
 from model.schedule import lrate
 from model.transformer import build_transformer
 from stages import distributed, train
@@ -87,7 +88,7 @@ def test_label_smoothed_loss_matches_a_hand_computation():
         logp = [v - log_z for v in row]
         # q = (1 - eps) * one_hot(y) + eps / V (Szegedy et al. 2016, as Sec. 5.4 cites); loss = -sum q log p
         expected += -sum(((1 - eps) * (k == y) + eps / 3) * logp[k] for k in range(3))
-    smoothed, nll = train.smoothed_and_nll(logits, targets, eps)
+    smoothed, nll = loss_lib.smoothed_and_nll(logits, targets, eps)
     assert smoothed.item() == pytest.approx(expected, rel=1e-6)
     assert F.cross_entropy(logits, targets, label_smoothing=eps, reduction="sum").item() == pytest.approx(expected, rel=1e-6)
     assert nll.item() == pytest.approx(F.cross_entropy(logits, targets, reduction="sum").item(), rel=1e-6)
@@ -97,14 +98,14 @@ def test_label_smoothed_loss_matches_a_hand_computation():
 def test_the_chunked_loss_equals_cross_entropy_of_the_models_projection(eps):
     torch.manual_seed(0)
     model = build_transformer(VOCAB, **MODEL)
-    n = 2 * train.ProjectedSmoothedLoss.CHUNK + 37  # three chunks, the last one short
+    n = 2 * loss_lib.ProjectedSmoothedLoss.CHUNK + 37  # three chunks, the last one short
     hidden = torch.randn(n, MODEL["d_model"], requires_grad=True)
     targets = torch.randint(0, VOCAB, (n,))
     expected = F.cross_entropy(model.project(hidden), targets, label_smoothing=eps, reduction="sum")
     (3 * expected).backward()
     want = hidden.grad.clone(), model.embedding.weight.grad.clone()
     hidden.grad, model.embedding.weight.grad = None, None
-    got = train.ProjectedSmoothedLoss.apply(hidden, model.embedding.weight, targets, eps)
+    got = loss_lib.ProjectedSmoothedLoss.apply(hidden, model.embedding.weight, targets, eps)
     (3 * got).backward()
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(hidden.grad, want[0], rtol=1e-4, atol=1e-4)
@@ -114,7 +115,7 @@ def test_the_chunked_loss_equals_cross_entropy_of_the_models_projection(eps):
 def test_padding_changes_neither_the_loss_nor_the_gradient():
     torch.manual_seed(0)
     model = build_transformer(VOCAB, **MODEL)
-    loss_model = train.SmoothedLoss(model, 0.1)
+    loss_model = loss_lib.SmoothedLoss(model, 0.1)
     pairs = [([5, 6, 7, 8], [9, 10]), ([11, 12], [13, 14, 15, 16, 17])]
     padded = [torch.tensor([s + [EOS_ID] + [PAD_ID] * (5 - len(s)) for s, _ in pairs]),
               torch.tensor([[BOS_ID] + t + [PAD_ID] * (5 - len(t)) for _, t in pairs]),
