@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -190,3 +191,33 @@ def test_parameter_counts_match_the_paper():
     base, big = parameter_count("wmt14_en_de_base"), parameter_count("wmt14_en_de_big")
     assert abs(base - 65e6) / 65e6 < 0.03, base  # Table 3: 65M
     assert abs(big - 213e6) / 213e6 < 0.03, big  # Table 3: 213M
+
+
+def test_initialisation_is_a_standalone_torch_decoder_layers():
+    """Q/K/V as nn.MultiheadAttention's stacked in_proj, W^O and the FFN as nn.Linear's default, zero biases:
+    the weights of a torch.nn.TransformerDecoderLayer built on its own (nn.Transformer re-draws all of them
+    with Xavier)."""
+    d, h, d_ff = 256, 4, 1024
+    torch.manual_seed(0)
+    ours = build_transformer(8000, n_layers=2, d_model=d, d_ff=d_ff, n_heads=h, d_k=d // h, d_v=d // h, dropout=0.0,
+                             positional_encoding="sinusoidal", max_positions=64)
+    ref_layer = torch.nn.TransformerDecoderLayer(d, h, d_ff, batch_first=True)
+    layer = ours.decoder[0]
+    pairs = [  # (ours, nn.Transformer's) for every kind of matrix
+        (layer.self_attn.w_qkv.weight, ref_layer.self_attn.in_proj_weight),
+        (torch.cat([layer.cross_attn.w_q.weight, layer.cross_attn.w_kv.weight]), ref_layer.multihead_attn.in_proj_weight),
+        (layer.self_attn.w_o.weight, ref_layer.self_attn.out_proj.weight),
+        (layer.ffn.w_1.weight, ref_layer.linear1.weight),
+        (layer.ffn.w_2.weight, ref_layer.linear2.weight),
+    ]
+    for mine, theirs in pairs:
+        assert mine.shape == theirs.shape
+        bound = float(theirs.abs().max())  # uniform: the largest of ~100K draws sits at the bound
+        assert float(mine.abs().max()) <= bound * 1.001
+        assert float(mine.std()) == pytest.approx(float(theirs.std()), rel=0.02)
+    # Xavier on the stacked [3D, D] matrix is narrower than Xavier on each [D, D] block (the old scheme)
+    assert float(layer.self_attn.w_qkv.weight.abs().max()) < math.sqrt(6 / (2 * d)) * 0.8
+    biases = [p for name, p in ours.named_parameters() if name.endswith("bias") and "norm" not in name]
+    assert biases and all(float(b.abs().max()) == 0.0 for b in biases)
+    assert float(ours.embedding.weight[1:].std()) == pytest.approx(d**-0.5, rel=0.02)
+    assert float(ours.embedding.weight[0].abs().max()) == 0.0  # the padding row
