@@ -97,7 +97,8 @@ def paper_tokenize(lines: list[str], lang: str) -> list[str]:
 
 def tokenized_bleu(hyps: list[str], refs: list[str], lang: str) -> float:
     """get_ende_bleu.sh: Moses tokenization, ATAT compounds, multi-bleu.perl (no smoothing)."""
-    bleu = BLEU(tokenize="none", smooth_method="none")
+    # force: the input is tokenized on purpose; without it sacreBLEU warns "you forgot to detokenize"
+    bleu = BLEU(tokenize="none", smooth_method="none", force=True)
     return bleu.corpus_score(paper_tokenize(hyps, lang), [paper_tokenize(refs, lang)]).score
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import subprocess
 import sys
@@ -98,6 +99,22 @@ def test_tokenized_bleu_by_hand_with_a_split_compound(tmp_path):
     metrics = json.loads(run(tmp_path, {"test": ["Der Hals-Nasen-Arzt kommt."], "valid": HYPS["valid"]},
                              {"test": ["Der Hals-Nasen-Ohren-Arzt kommt."], "valid": REFS["valid"]}).read_text())
     assert metrics["bleu_tokenized"] == pytest.approx(100 * math.exp(-0.25) * 0.5**0.25, abs=1e-9)
+
+
+def test_tokenized_bleu_does_not_warn_about_its_own_tokenization():
+    """The paper's BLEU scores Moses-tokenized text on purpose: sacreBLEU must not say "forgot to detokenize"."""
+    lines = ["Ein Mann fährt Rad."] * 120  # > 100 lines ending in " ." once tokenized
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append  # sacreBLEU's logger does not propagate to pytest's caplog
+    logger = logging.getLogger("sacrebleu")
+    logger.addHandler(handler)
+    try:
+        assert evaluate.tokenized_bleu(lines, lines, "de") == pytest.approx(100.0)
+        evaluate.score(lines, lines, "de", "13a")  # detokenized input: no warning either
+    finally:
+        logger.removeHandler(handler)
+    assert not records, [r.getMessage() for r in records]
 
 
 def test_paper_tokenization_escapes_like_tokenizer_perl_and_splits_compounds_like_perl():
