@@ -36,7 +36,7 @@ from model.schedule import lrate
 from model.transformer import FeedForward, MultiHeadAttention, Transformer, build_transformer
 from stages import config
 from stages.batch import make_batches
-from stages.config import BatchConfig, ModelConfig, TrainConfig, TranslateConfig
+from stages.config import BatchConfig, ModelConfig, TokenizeConfig, TrainConfig, TranslateConfig
 from stages.corpus import load_split, read_meta
 from stages.evaluate import read_lines, score
 from stages.train import make_batch
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     max_tokens = config.load(params, "batch", BatchConfig).max_tokens
     meta = read_meta(args.tokenized)
     src_lang, tgt_lang = meta["src_lang"], meta["tgt_lang"]
-    if meta["vocab_size"] != config.compose(args.overrides)["tokenize"]["vocab_size"]:
+    if meta["vocab_size"] != config.load(params, "tokenize", TokenizeConfig).vocab_size:
         raise SystemExit(f"{args.tokenized}: vocabulary {meta['vocab_size']} differs from the overrides'; "
                          "re-run `dvc repro tokenize` with them")
     split = {(s, lang): load_split(args.tokenized, s, lang) for s in ("train", "valid") for lang in (src_lang, tgt_lang)}
