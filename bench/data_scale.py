@@ -44,7 +44,7 @@ import numpy as np
 import yaml
 
 from stages.batch import make_batches, model_lengths, padding_stats
-from stages.corpus import Batches
+from pipeline.formats import Batches
 
 ROOT = Path(__file__).resolve().parent.parent
 MULTI30K = "raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw"

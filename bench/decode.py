@@ -4,7 +4,7 @@
 
 Same model, same inputs, one run: sentences per second of beam_search(use_cache=True)
 and of beam_search(use_cache=False), their ratio, and whether both found the same
-tokens. The model is the default preset's (`stages.config.compose([])`: model
+tokens. The model is the default preset's (`pipeline.config.compose([])`: model
 section, tokenize.vocab_size, translate.beam_size / length_penalty / max_len_a /
 max_len_b), randomly initialised; sources are Multi30k-like, 8 to 30 tokens.
 
@@ -35,9 +35,10 @@ import torch
 from torch import Tensor, nn
 
 from model.beam_search import Hypothesis, beam_search
-from model.transformer import build_transformer
-from stages.config import compose
-from stages.corpus import BOS_ID, EOS_ID, PAD_ID
+from model.config import ModelConfig
+from model.transformer import Transformer
+from pipeline.config import compose, parse
+from pipeline.formats import BOS_ID, EOS_ID, PAD_ID
 
 log = logging.getLogger("bench.decode")
 
@@ -114,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
 
     cfg = compose([])
     torch.manual_seed(args.seed)
-    transformer = build_transformer(cfg["tokenize"]["vocab_size"], **cfg["model"])
+    transformer = Transformer(parse(cfg, "model", ModelConfig), cfg["tokenize"]["vocab_size"])
     model = EosNearSourceLength(transformer, args.slope).eval()
     src = multi30k_like_sources(args.sentences, cfg["tokenize"]["vocab_size"], torch.Generator().manual_seed(args.seed))
     n = len(src)

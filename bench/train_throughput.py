@@ -8,8 +8,9 @@ The default model (conf/ composed with no overrides: the `small` preset) with an
 source, plus EOS/BOS), bucketed by stages.batch.make_batches at
 batch.max_tokens = 2500, one batch per step.
 
-  ours      stages.train.train_step: SmoothedLoss (projection and loss on real
-            target tokens only), fused Adam, the paper's dropout placement.
+  ours      pipeline.trainer.train_step with build_optimizer (what the train
+            stage runs): SmoothedLoss (projection and loss on real target
+            tokens only), fused Adam, the paper's dropout placement.
   baseline  torch.nn.Transformer(d_model, nhead, layers, dim_feedforward,
             dropout, batch_first=True), post-norm as the paper, with the same
             shared embedding (x sqrt(d_model)), sinusoidal encoding, output
@@ -41,12 +42,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from model import flops as flops_lib
-from model import loss as loss_lib
-from model.transformer import build_transformer, sinusoidal_encoding
-from stages import distributed, train
+from model.config import ModelConfig
+from model.loss import SmoothedLoss
+from model.transformer import Transformer, sinusoidal_encoding
+from pipeline import config, distributed
+from pipeline.config import TrainConfig
+from pipeline.formats import PAD_ID, EncodedSplit
+from pipeline.loader import Batch, collate
+from pipeline.trainer import build_optimizer, train_step
 from stages.batch import make_batches
-from stages.config import compose
-from stages.corpus import PAD_ID, EncodedSplit
 
 VOCAB = 8000
 MAX_TOKENS = 2500
@@ -72,17 +76,18 @@ def synthetic_corpus(pairs: int, seed: int = 0) -> tuple[EncodedSplit, EncodedSp
 class TorchTransformer(nn.Module):
     """The baseline: nn.Transformer with our embedding, positional encoding and tied output projection."""
 
-    def __init__(self, n_layers: int, d_model: int, d_ff: int, n_heads: int, dropout: float, max_positions: int, **_):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.d_model = d_model
-        self.embedding = nn.Embedding(VOCAB, d_model, padding_idx=PAD_ID)
-        nn.init.normal_(self.embedding.weight, std=d_model**-0.5)
-        self.register_buffer("pe", sinusoidal_encoding(max_positions, d_model), persistent=False)
-        self.dropout = nn.Dropout(dropout)
-        self.transformer = nn.Transformer(d_model, n_heads, n_layers, n_layers, d_ff, dropout, batch_first=True)
+        self.scale = math.sqrt(cfg.d_model)
+        self.embedding = nn.Embedding(VOCAB, cfg.d_model, padding_idx=PAD_ID)
+        nn.init.normal_(self.embedding.weight, std=1 / self.scale)
+        self.register_buffer("pe", sinusoidal_encoding(cfg.max_positions, cfg.d_model), persistent=False)
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.transformer = nn.Transformer(cfg.d_model, cfg.n_heads, cfg.n_layers, cfg.n_layers, cfg.d_ff, cfg.dropout,
+                                          batch_first=True)
 
     def embed(self, tokens: Tensor) -> Tensor:
-        return self.dropout(self.embedding(tokens) * math.sqrt(self.d_model) + self.pe[: tokens.shape[1]])
+        return self.dropout(self.embedding(tokens) * self.scale + self.pe[: tokens.shape[1]])
 
     def forward(self, src: Tensor, tgt_in: Tensor, labels: Tensor, label_smoothing: float) -> Tensor:
         T = tgt_in.shape[1]
@@ -95,8 +100,9 @@ class TorchTransformer(nn.Module):
                                label_smoothing=label_smoothing, reduction="sum")
 
 
-def baseline_step(model: TorchTransformer, optimizer: torch.optim.Optimizer, batch: train.Batch, lr: float) -> None:
-    loss = model(batch.src, batch.tgt_in, batch.labels, 0.1) / batch.tokens
+def baseline_step(model: TorchTransformer, optimizer: torch.optim.Optimizer, batch: Batch, lr: float,
+                  label_smoothing: float) -> None:
+    loss = model(batch.src, batch.tgt_in, batch.labels, label_smoothing) / batch.tokens
     loss.backward()
     for group in optimizer.param_groups:
         group["lr"] = lr
@@ -111,34 +117,34 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=distributed.available_cores())
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    cfg = compose([])["model"]
+    params = config.compose([])
+    cfg, train_cfg = config.parse(params, "model", ModelConfig), config.parse(params, "train", TrainConfig)
     print(f"model {cfg}, vocab {VOCAB}, batch.max_tokens {MAX_TOKENS}, {torch.get_num_threads()} threads")
 
     src, tgt = synthetic_corpus(29000)
     batches = make_batches(src.lengths + 1, tgt.lengths + 1, MAX_TOKENS, seed=1)
     order = np.random.default_rng(0).permutation(len(batches))[: args.steps + 1]
-    data = [train.make_batch(src, tgt, batches[b], torch.device("cpu")) for b in order]
+    data = [collate(src, tgt, batches[b], torch.device("cpu")) for b in order]
     warmup, timed = data[0], data[1:]
     lens = [(np.diff(src.offsets)[batches[b]] + 1, np.diff(tgt.offsets)[batches[b]] + 1) for b in order[1:]]
-    shape = {k: cfg[k] for k in ("n_layers", "d_model", "d_ff", "n_heads", "d_k", "d_v")}
-    flops = sum(flops_lib.training_flops(VOCAB, **shape, src_lens=S, tgt_lens=T) for S, T in lens)
+    flops = sum(flops_lib.training_flops(cfg, VOCAB, S, T) for S, T in lens)
     tokens = sum(b.tokens for b in timed)
     real = tokens / sum(b.labels.numel() for b in timed)
     print(f"{len(timed)} timed batches: {tokens} target tokens ({real:.1%} of padded positions), "
           f"{flops / len(timed) / 1e9:.1f} GFLOP per step (analytic, training)")
 
     torch.manual_seed(0)
-    ours = build_transformer(VOCAB, **cfg)
-    loss_model = loss_lib.SmoothedLoss(ours, 0.1)
-    ours_opt = torch.optim.Adam(ours.parameters(), betas=(0.9, 0.98), eps=1e-9, fused=True)
-    base = TorchTransformer(**cfg)
-    base_opt = torch.optim.Adam(base.parameters(), betas=(0.9, 0.98), eps=1e-9, fused=True)
+    ours = Transformer(cfg, VOCAB)
+    loss_model = SmoothedLoss(ours, train_cfg.label_smoothing)
+    ours_opt = build_optimizer(ours, train_cfg)
+    base = TorchTransformer(cfg)
+    base_opt = build_optimizer(base, train_cfg)
     n_ours, n_base = (sum(p.numel() for p in m.parameters()) for m in (ours, base))
     print(f"parameters: ours {n_ours / 1e6:.2f}M, nn.Transformer {n_base / 1e6:.2f}M")
     ctx = distributed.Dist(0, 1, 0, torch.device("cpu"))
     lr = 1e-4
-    run_ours = lambda b: train.train_step(loss_model, ours_opt, [(b, True)], b.tokens, lr, ctx, contextlib.nullcontext())
-    run_base = lambda b: baseline_step(base, base_opt, b, lr)
+    run_ours = lambda b: train_step(loss_model, ours_opt, [(b, True)], b.tokens, lr, ctx, contextlib.nullcontext())
+    run_base = lambda b: baseline_step(base, base_opt, b, lr, train_cfg.label_smoothing)
     for step in (run_ours, run_base):
         step(warmup)
 

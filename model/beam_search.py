@@ -1,7 +1,7 @@
-"""Beam search with the GNMT length penalty, and greedy decoding (Sec. 6.1).
+"""Beam search with the GNMT length penalty (Sec. 6.1); beam size 1 is greedy decoding.
 
 The paper: beam size 4, length penalty alpha = 0.6, maximum output length =
-input length + 50, "terminating early when possible". Both searches are batched
+input length + 50, "terminating early when possible". The search is batched
 over sentences and beams: one `decode_step` per output position for the whole
 batch, each row of the decoder state one (sentence, beam) pair; a sentence that
 is finished is dropped from the state (`DecoderState.select`), so later steps
@@ -179,45 +179,3 @@ def beam_search(
             beam_lp, alive = beam_lp[keep], alive[keep]
         return best
 
-
-def greedy_search(
-    model,
-    src: Tensor,
-    max_len_a: float,
-    max_len_b: int,
-    bos_id: int,
-    eos_id: int,
-    use_cache: bool = True,
-) -> list[Hypothesis]:
-    """The most probable next token at every step, in input order; score = log_prob (no length penalty).
-
-    src: [B, S] token ids padded with model.pad_id. Finished sentences leave the batch.
-    """
-    _check(model, src)
-    with torch.inference_mode():
-        B, device = src.shape[0], src.device
-        max_len = max_lengths(src, model.pad_id, max_len_a, max_len_b)
-        state = _start(model, src, 1, use_cache)
-        alive = torch.arange(B, device=device)
-        prefix = torch.full((B, 1), bos_id, dtype=torch.long, device=device)  # [n, t+1]
-        log_prob = torch.zeros(B, device=device)
-        result: list[Hypothesis | None] = [None] * B
-        t = 0
-        while alive.numel():
-            t += 1
-            log_probs, state = _next_log_probs(model, prefix, state, use_cache)
-            log_probs = _force_eos(log_probs, max_len[alive] == t, eos_id)
-            step_lp, tok = log_probs.max(dim=-1)  # [n]
-            log_prob = log_prob + step_lp
-            done = tok == eos_id
-            for i in done.nonzero().flatten().tolist():
-                lp = log_prob[i].item()
-                result[int(alive[i])] = Hypothesis(prefix[i, 1:].tolist(), lp, lp)
-            keep = (~done).nonzero().flatten()
-            if not keep.numel():
-                break
-            if keep.numel() < done.numel():
-                state = state.select(keep)
-            prefix = torch.cat([prefix[keep], tok[keep, None]], dim=1)
-            log_prob, alive = log_prob[keep], alive[keep]
-        return result

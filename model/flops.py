@@ -22,18 +22,11 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from model.config import ModelConfig
 
-def forward_flops(
-    vocab_size: int,
-    n_layers: int,
-    d_model: int,
-    d_ff: int,
-    n_heads: int,
-    d_k: int,
-    d_v: int,
-    src_lens: Sequence[int] | Tensor,
-    tgt_lens: Sequence[int] | Tensor,
-) -> float:
+
+def forward_flops(cfg: ModelConfig, vocab_size: int, src_lens: Sequence[int] | Tensor,
+                  tgt_lens: Sequence[int] | Tensor) -> float:
     """FLOPs of one forward pass over sentences of real source lengths S_i and target lengths T_i.
 
     Per layer and sentence (D = d_model, H = n_heads):
@@ -50,7 +43,7 @@ def forward_flops(
     S, T = torch.as_tensor(src_lens).double(), torch.as_tensor(tgt_lens).double()
     if S.shape != T.shape or S.dim() != 1:
         raise ValueError(f"src_lens and tgt_lens: expected two 1-D sequences of equal length, got {S.shape}, {T.shape}")
-    D, H = d_model, n_heads
+    D, H, d_k, d_v, d_ff = cfg.d_model, cfg.n_heads, cfg.d_k, cfg.d_v, cfg.d_ff
     s, t, s2, t2, ts = (float(x.sum()) for x in (S, T, S * S, T * T, T * S))
     qkv_o = 2 * D * H * (2 * d_k + d_v) + 2 * H * d_v * D  # per token: Q, K, V and W^O of self-attention
     ffn = 4 * D * d_ff  # per token
@@ -59,22 +52,13 @@ def forward_flops(
     decoder_self = t * qkv_o + t2 * scores
     cross = t * (2 * D * H * d_k + 2 * H * d_v * D) + s * 2 * D * H * (d_k + d_v) + ts * scores
     decoder = decoder_self + cross + t * ffn
-    return n_layers * (encoder + decoder) + t * 2 * D * vocab_size
+    return cfg.n_layers * (encoder + decoder) + t * 2 * D * vocab_size
 
 
-def training_flops(
-    vocab_size: int,
-    n_layers: int,
-    d_model: int,
-    d_ff: int,
-    n_heads: int,
-    d_k: int,
-    d_v: int,
-    src_lens: Sequence[int] | Tensor,
-    tgt_lens: Sequence[int] | Tensor,
-) -> float:
+def training_flops(cfg: ModelConfig, vocab_size: int, src_lens: Sequence[int] | Tensor,
+                   tgt_lens: Sequence[int] | Tensor) -> float:
     """Forward plus backward = 3 x forward_flops (backward = 2 x forward, Kaplan et al. 2020)."""
-    return 3 * forward_flops(vocab_size, n_layers, d_model, d_ff, n_heads, d_k, d_v, src_lens, tgt_lens)
+    return 3 * forward_flops(cfg, vocab_size, src_lens, tgt_lens)
 
 
 # Peak throughput per device in TFLOPS: "fp32" without tensor cores, "bf16" dense

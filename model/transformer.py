@@ -6,7 +6,8 @@ softmax (3.4), positional encoding (3.5), then the encoder and decoder stacks
 LayerNorm(x + Dropout(Sublayer(x))), everywhere.
 
 Dimensions: B batch, S source length, T target length, D d_model, H heads,
-V vocabulary. Token id `pad_id` marks padding (stages.corpus.PAD_ID).
+V vocabulary. Token id `pad_id` marks padding (pipeline.formats.PAD_ID). The shape comes
+from one ModelConfig (model/config.py): Transformer(cfg, vocab_size).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from model.config import ModelConfig
 
 # --- 3.2 Attention -------------------------------------------------------------
 
@@ -49,6 +52,10 @@ class MultiHeadAttention(nn.Module):
         B, L, _ = x.shape
         return x.view(B, L, self.n_heads, d).transpose(1, 2)  # [B, L, H*d] -> [B, H, L, d]
 
+    def project_q(self, x: Tensor) -> Tensor:
+        """Queries of `x` for cross-attention: [B, T, D] -> [B, H, T, d_k]."""
+        return self._heads(self.w_q(x), self.d_k)
+
     def project_kv(self, memory: Tensor) -> tuple[Tensor, Tensor]:
         """Keys and values of the encoder output for cross-attention: [B, H, S, d_k], [B, H, S, d_v]."""
         k, v = self.w_kv(memory).split([self.n_heads * self.d_k, self.n_heads * self.d_v], dim=-1)
@@ -71,13 +78,13 @@ class MultiHeadAttention(nn.Module):
         if self.self_attention:
             q, k, v = self.project_qkv(x)
         else:
-            q = self._heads(self.w_q(x), self.d_k)
+            q = self.project_q(x)
             k, v = self.project_kv(memory)
         return self.attend(q, k, v, mask, causal)
 
     def weights(self, x: Tensor, memory: Tensor, mask: Tensor) -> Tensor:
         """The attention distribution itself (for pictures), [B, H, T, S]."""
-        q = self._heads(self.w_q(x), self.d_k)
+        q = self.project_q(x)
         k, _ = self.project_kv(memory)
         scores = q @ k.transpose(-1, -2) / math.sqrt(self.d_k)
         return scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
@@ -117,12 +124,12 @@ def sinusoidal_encoding(max_positions: int, d_model: int) -> Tensor:
 class EncoderLayer(nn.Module):
     """Self-attention then feed-forward, each LayerNorm(x + Dropout(Sublayer(x)))."""
 
-    def __init__(self, d_model: int, d_ff: int, n_heads: int, d_k: int, d_v: int, dropout: float):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.self_attn = MultiHeadAttention(d_model, n_heads, d_k, d_v, self_attention=True)
-        self.ffn = FeedForward(d_model, d_ff)
-        self.norm_1, self.norm_2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
-        self.dropout = nn.Dropout(dropout)
+        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.d_k, cfg.d_v, self_attention=True)
+        self.ffn = FeedForward(cfg.d_model, cfg.d_ff)
+        self.norm_1, self.norm_2 = nn.LayerNorm(cfg.d_model), nn.LayerNorm(cfg.d_model)
+        self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: Tensor, src_mask: Tensor) -> Tensor:
         x = self.norm_1(x + self.dropout(self.self_attn(x, src_mask)))
@@ -132,13 +139,13 @@ class EncoderLayer(nn.Module):
 class DecoderLayer(nn.Module):
     """Masked self-attention, attention over the encoder output, feed-forward; each post-norm."""
 
-    def __init__(self, d_model: int, d_ff: int, n_heads: int, d_k: int, d_v: int, dropout: float):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.self_attn = MultiHeadAttention(d_model, n_heads, d_k, d_v, self_attention=True)
-        self.cross_attn = MultiHeadAttention(d_model, n_heads, d_k, d_v, self_attention=False)
-        self.ffn = FeedForward(d_model, d_ff)
-        self.norm_1, self.norm_2, self.norm_3 = (nn.LayerNorm(d_model) for _ in range(3))
-        self.dropout = nn.Dropout(dropout)
+        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.d_k, cfg.d_v, self_attention=True)
+        self.cross_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.d_k, cfg.d_v, self_attention=False)
+        self.ffn = FeedForward(cfg.d_model, cfg.d_ff)
+        self.norm_1, self.norm_2, self.norm_3 = (nn.LayerNorm(cfg.d_model) for _ in range(3))
+        self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, y: Tensor, memory: Tensor, src_mask: Tensor) -> Tensor:
         y = self.norm_1(y + self.dropout(self.self_attn(y, None, causal=True)))
@@ -151,7 +158,7 @@ class DecoderLayer(nn.Module):
         cache.self_k = torch.cat([cache.self_k, k], dim=2)  # [B, H, t+1, d_k]
         cache.self_v = torch.cat([cache.self_v, v], dim=2)
         y = self.norm_1(y + self.dropout(self.self_attn.attend(q, cache.self_k, cache.self_v, None, causal=False)))
-        q = self.cross_attn._heads(self.cross_attn.w_q(y), self.cross_attn.d_k)
+        q = self.cross_attn.project_q(y)
         y = self.norm_2(y + self.dropout(self.cross_attn.attend(q, cache.cross_k, cache.cross_v, src_mask, causal=False)))
         return self.norm_3(y + self.dropout(self.ffn(y)))
 
@@ -186,34 +193,20 @@ class DecoderState:
 class Transformer(nn.Module):
     """Encoder-decoder with one embedding matrix shared by both inputs and the output projection (3.4)."""
 
-    def __init__(
-        self,
-        vocab_size: int,
-        n_layers: int,
-        d_model: int,
-        d_ff: int,
-        n_heads: int,
-        d_k: int,
-        d_v: int,
-        dropout: float,
-        positional_encoding: str,
-        max_positions: int,
-        pad_id: int = 0,
-    ):
+    def __init__(self, cfg: ModelConfig, vocab_size: int, pad_id: int = 0):
         super().__init__()
-        if positional_encoding not in ("sinusoidal", "learned"):
-            raise ValueError(f"model.positional_encoding: expected 'sinusoidal' or 'learned', got {positional_encoding!r}")
-        self.d_model, self.pad_id, self.max_positions = d_model, pad_id, max_positions
-        self.embedding = nn.Embedding(vocab_size, d_model, padding_idx=pad_id)
-        if positional_encoding == "sinusoidal":
-            self.register_buffer("pe", sinusoidal_encoding(max_positions, d_model), persistent=False)
+        if cfg.positional_encoding not in ("sinusoidal", "learned"):
+            raise ValueError(f"model.positional_encoding: expected 'sinusoidal' or 'learned', got {cfg.positional_encoding!r}")
+        self.cfg, self.d_model, self.pad_id, self.max_positions = cfg, cfg.d_model, pad_id, cfg.max_positions
+        self.embedding = nn.Embedding(vocab_size, cfg.d_model, padding_idx=pad_id)
+        if cfg.positional_encoding == "sinusoidal":
+            self.register_buffer("pe", sinusoidal_encoding(cfg.max_positions, cfg.d_model), persistent=False)
             self.learned_pe = None
         else:  # Table 3 row (E)
-            self.learned_pe = nn.Embedding(max_positions, d_model)
-        layer_args = (d_model, d_ff, n_heads, d_k, d_v, dropout)
-        self.encoder = nn.ModuleList(EncoderLayer(*layer_args) for _ in range(n_layers))
-        self.decoder = nn.ModuleList(DecoderLayer(*layer_args) for _ in range(n_layers))
-        self.dropout = nn.Dropout(dropout)
+            self.learned_pe = nn.Embedding(cfg.max_positions, cfg.d_model)
+        self.encoder = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.n_layers))
+        self.decoder = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_layers))
+        self.dropout = nn.Dropout(cfg.dropout)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -322,7 +315,3 @@ class Transformer(nn.Module):
         y = last.norm_1(y + last.self_attn(y, None, causal=True))
         return last.cross_attn.weights(y, memory, src_mask)
 
-
-def build_transformer(vocab_size: int, **model_config) -> Transformer:
-    """Build from the `model` params section: build_transformer(V, **asdict(ModelConfig))."""
-    return Transformer(vocab_size=vocab_size, **model_config)

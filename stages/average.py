@@ -5,7 +5,7 @@
 Reads params `average` (AverageConfig). Sec. 6.1: "For the base models, we used
 a single model obtained by averaging the last 5 checkpoints ... For the big
 models, we averaged the last 20 checkpoints." The parameter-wise mean of the
-newest `last_n` complete checkpoints (stages.checkpoint skips truncated or
+newest `last_n` complete checkpoints (pipeline.checkpoint skips truncated or
 unsealed files with a warning), loaded one at a time, summed in float64 and
 cast back to each tensor's dtype, so `last_n: 1` returns the newest weights bit
 for bit. Checkpoints that disagree in their tensors' names or shapes, their
@@ -25,10 +25,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from stages import cli, config, tracking
-from stages.checkpoint import complete_checkpoints, load_checkpoint
-from stages.config import AverageConfig, ParamsError
-from stages.files import atomic_dir, write_json
+from pipeline import cli, config, tracking
+from pipeline.checkpoint import complete_checkpoints, load_checkpoint
+from pipeline.config import AverageConfig, ParamsError
+from pipeline.files import atomic_dir, write_json
 
 log = logging.getLogger(__name__)
 

@@ -48,15 +48,12 @@ from pathlib import Path
 
 import numpy as np
 
-from stages import cli, config
-from stages.config import BatchConfig
-from stages.corpus import Batches, batch_paths, load_split, read_meta
-from stages.files import atomic_dir, write_json
+from pipeline import cli, config
+from pipeline.config import BatchConfig
+from pipeline.formats import BATCHED_SPLITS, Batches, batch_paths, load_split, read_meta
+from pipeline.files import atomic_dir, write_json
 
 log = logging.getLogger(__name__)
-
-SPLITS = ("train", "valid")  # test is batched by the translate stage
-
 
 def model_lengths(tokenized: str | Path, split: str) -> tuple[np.ndarray, np.ndarray]:
     """Source and target lengths as the model sees them: (S + 1 for EOS, T + 1 for BOS/EOS)."""
@@ -135,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = config.load(args.params, "batch", BatchConfig)
     metrics: dict[str, float] = {"max_tokens": cfg.max_tokens}
     with atomic_dir(args.out) as tmp:
-        for split in SPLITS:
+        for split in BATCHED_SPLITS:
             S, T = model_lengths(args.tokenized, split)
             batches = make_batches(S, T, cfg.max_tokens, cfg.seed, split)
             index_path, bounds_path = batch_paths(tmp, split)

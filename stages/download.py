@@ -12,7 +12,7 @@ directory or an http(s) base URL). The mirror path of a URL is `<mirror>/<host>/
 there is the download itself; a directory holds the archive's members unpacked at their member
 paths. Every source gives the same bytes out. Downloads and extracted members stay in the cache
 dir (default `.cache/download` beside --out, outside DVC's output) so a re-run fetches nothing.
-The fetching itself (HTTP, mirror, cache, archives) is stages/fetch.py.
+The fetching itself (HTTP, mirror, cache, archives) is pipeline/fetch.py.
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ from typing import Iterable, Iterator, TextIO
 import requests
 from tqdm import tqdm
 
-from stages import cli
-from stages.config import Corpus, DataConfig, FileSource, ParamsError, load
-from stages.corpus import SPLITS
-from stages.fetch import (
+from pipeline import cli
+from pipeline.config import ParallelCorpus, DataConfig, FileSource, ParamsError, load
+from pipeline.formats import SPLITS
+from pipeline.fetch import (
     ARCHIVE_SUFFIXES,
     CHUNK,
     DownloadError,
@@ -50,7 +50,7 @@ from stages.fetch import (
     safe_relpath,
     url_parts,
 )
-from stages.files import atomic_dir, write_json
+from pipeline.files import atomic_dir, write_json
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class Segment:
 # --- params checks ---------------------------------------------------------------
 
 
-def iter_sources(data: DataConfig) -> Iterator[tuple[str, Corpus, str, FileSource]]:
+def iter_sources(data: DataConfig) -> Iterator[tuple[str, ParallelCorpus, str, FileSource]]:
     """(params key, corpus, side, source) for every file the data section names, in order."""
     for split in SPLITS:
         for i, corpus in enumerate(getattr(data, split)):
@@ -111,7 +111,7 @@ def check_params(data: DataConfig) -> None:
             raise ParamsError(f"{key}.sha256: {src.url} {src.member or ''} is pinned to two different sha256")
 
 
-# --- fetching (stages/fetch.py does the work) ----------------------------------------
+# --- fetching (pipeline/fetch.py does the work) ----------------------------------------
 
 
 def fetch_all(data: DataConfig, cache: Path, mirror: str | None, session: requests.Session) -> dict[FileSource, Local]:
@@ -224,7 +224,7 @@ def check_languages(data: DataConfig, local: dict[FileSource, Local]) -> None:
                     break
 
 
-def corpus_lines(corpus: Corpus, local: dict[FileSource, Local]) -> tuple[Iterable[str], Iterable[str]]:
+def corpus_lines(corpus: ParallelCorpus, local: dict[FileSource, Local]) -> tuple[Iterable[str], Iterable[str]]:
     """The source and target lines of one corpus; two SGML files are matched segment by segment."""
     src, tgt = (_side_lines(source, local[source].path) for source in (corpus.src, corpus.tgt))
     if isinstance(src, list) and isinstance(tgt, list):
@@ -260,7 +260,7 @@ def write_lines(f: TextIO, lines: Iterable[str], desc: str) -> int:
 
 
 def write_split(
-    corpora: Iterable[Corpus], local: dict[FileSource, Local], src_path: Path, tgt_path: Path
+    corpora: Iterable[ParallelCorpus], local: dict[FileSource, Local], src_path: Path, tgt_path: Path
 ) -> dict[str, int]:
     """Write one split, its corpora concatenated; return lines per corpus."""
     counts: dict[str, int] = {}

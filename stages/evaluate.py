@@ -32,13 +32,12 @@ from pathlib import Path
 from sacrebleu.metrics import BLEU, CHRF
 from sacremoses import MosesTokenizer
 
-from stages import cli, config, tracking
-from stages.config import DataConfig, EvaluateConfig
-from stages.files import write_json
+from pipeline import cli, config, tracking
+from pipeline.config import DataConfig, EvaluateConfig
+from pipeline.files import write_json
+from pipeline.formats import DECODED_SPLITS
 
 log = logging.getLogger(__name__)
-
-SPLITS = {"test": "", "valid": "valid_"}  # split -> metrics key prefix
 
 # get_ende_bleu.sh runs `perl -ple` on bytes: \S is "not ASCII whitespace" (re.ASCII),
 # and /g, like re.sub, resumes after each match, so "a-b-c" -> "a ##AT##-##AT## b-c".
@@ -115,11 +114,17 @@ def score(hyps: list[str], refs: list[str], lang: str, tokenize: str) -> Scores:
     )
 
 
-def evaluate(translations: Path, raw: Path, lang: str, tokenize: str) -> dict:
-    """Flat metrics for every split; nothing is returned unless every split could be read."""
-    pairs = {split: read_pair(translations / f"{split}.{lang}", raw / f"{split}.{lang}") for split in SPLITS}
+def metrics_prefix(split: str) -> str:
+    """Metrics keys of the test split are bare (`bleu`), the others carry the split (`valid_bleu`)."""
+    return "" if split == "test" else f"{split}_"
+
+
+def score_splits(translations: Path, raw: Path, lang: str, tokenize: str) -> dict:
+    """Flat metrics for every decoded split; nothing is returned unless every split could be read."""
+    pairs = {split: read_pair(translations / f"{split}.{lang}", raw / f"{split}.{lang}") for split in DECODED_SPLITS}
     metrics: dict = {}
-    for split, prefix in SPLITS.items():
+    for split in DECODED_SPLITS:
+        prefix = metrics_prefix(split)
         s = score(*pairs[split], lang, tokenize)
         log.info("%s: BLEU %.2f, chrF %.2f, tokenized BLEU %.2f (%d sentences)",
                  split, s.bleu, s.chrf, s.bleu_tokenized, len(pairs[split][0]))
@@ -137,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     lang = config.load(args.params, "data", DataConfig).tgt_lang
     with tracking.stage_run("evaluate", args.params) as run:
         run.log_params({"evaluate": asdict(cfg), "data": {"tgt_lang": lang}})
-        metrics = evaluate(args.translations, args.raw, lang, cfg.tokenize)
+        metrics = score_splits(args.translations, args.raw, lang, cfg.tokenize)
         write_json(args.metrics, metrics)
         run.log_metrics({k: v for k, v in metrics.items() if isinstance(v, float)})
     print(f"BLEU = {metrics['bleu']:.1f} (sacreBLEU signature: {metrics['signature']})", flush=True)

@@ -7,7 +7,7 @@ model over the training text of both sides (Sec. 5.1: a shared source-target
 vocabulary), streamed from the raw files; when the corpus is larger than
 `input_sentence_size` sentences, a seeded uniform sample of that many trains it,
 so WMT fits in memory. Every split is then encoded with all cores, 100k lines at a time, and appended to
-the flat files that stages/corpus.py documents: nothing ever holds a whole
+the flat files that pipeline/formats.py documents: nothing ever holds a whole
 corpus as Python lists. Training pairs that are empty, longer than `max_len`
 tokens or whose length ratio exceeds `max_len_ratio` are dropped and counted by
 reason; valid and test are never filtered (an empty line stays, as an empty
@@ -25,7 +25,6 @@ applies); {split}_src_tokens, {split}_tgt_tokens (no BOS/EOS); {split}_unk_rate.
 
 from __future__ import annotations
 
-import codecs
 import itertools
 import logging
 import os
@@ -38,20 +37,16 @@ import sentencepiece as spm
 from sentencepiece import sentencepiece_model_pb2
 from tqdm import tqdm
 
-from stages import cli, config
-from stages.config import DataConfig, ParamsError, TokenizeConfig
-from stages.corpus import BOS_ID, EOS_ID, ID_DTYPE, OFFSET_DTYPE, PAD_ID, SPLITS, UNK_ID, split_paths
-from stages.files import atomic_dir, write_json
+from pipeline import cli, config
+from pipeline.config import DataConfig, ParamsError, TokenizeConfig
+from pipeline.formats import BOS_ID, EOS_ID, ID_DTYPE, OFFSET_DTYPE, PAD_ID, SPLITS, UNK_ID, split_paths
+from pipeline.files import InputError, atomic_dir, count_lines, write_json
 
 log = logging.getLogger(__name__)
 
 CHUNK_LINES = 100_000  # lines encoded at a time: bounds memory whatever the corpus size
 MAX_VOCAB = int(np.iinfo(ID_DTYPE).max) + 1  # ids are stored as uint16
 DROP_REASONS = ("empty", "too_long", "ratio")
-
-
-class RawDataError(ValueError):
-    """The raw corpus is missing, misaligned or unreadable; the message names the file."""
 
 
 def num_threads() -> int:
@@ -81,34 +76,19 @@ def check_config(cfg: TokenizeConfig, params: str | Path) -> None:
         raise ParamsError(f"{params}: " + "; ".join(problems))
 
 
-def count_lines(path: Path) -> int:
-    """Lines in a UTF-8 text file (a last line without a newline counts); raises naming the first bad line."""
-    decoder, n, last = codecs.getincrementaldecoder("utf-8")(), 0, b"\n"
-    with open(path, "rb") as f:
-        for block in itertools.chain(iter(lambda: f.read(1 << 20), b""), [b""]):
-            try:
-                decoder.decode(block, final=not block)
-            except UnicodeDecodeError as e:
-                line = n + block.count(b"\n", 0, e.start) + 1
-                raise RawDataError(f"{path}:{line}: not valid UTF-8 ({e.reason})") from None
-            n += block.count(b"\n")
-            last = block[-1:] or last
-    return n + (last != b"\n")
-
-
 def check_raw(raw: Path, langs: tuple[str, str]) -> dict[str, int]:
     """Lines per split, after checking that every raw file exists and both sides align."""
     missing = [str(raw / f"{s}.{lang}") for s in SPLITS for lang in langs if not (raw / f"{s}.{lang}").is_file()]
     if missing:
-        raise RawDataError(f"missing raw file(s): {', '.join(missing)}; run the download stage first")
+        raise InputError(f"missing raw file(s): {', '.join(missing)}; run the download stage first")
     lines = {}
     for split in SPLITS:
         (a, na), (b, nb) = ((raw / f"{split}.{lang}", count_lines(raw / f"{split}.{lang}")) for lang in langs)
         if na != nb:
-            raise RawDataError(f"{a} has {na} lines but {b} has {nb}: the two sides of {split} must align line by line")
+            raise InputError(f"{a} has {na} lines but {b} has {nb}: the two sides of {split} must align line by line")
         lines[split] = na
     if lines["train"] == 0:
-        raise RawDataError(f"{raw / f'train.{langs[0]}'} is empty: nothing to train the tokenizer on")
+        raise InputError(f"{raw / f'train.{langs[0]}'} is empty: nothing to train the tokenizer on")
     return lines
 
 
@@ -253,7 +233,7 @@ def tokenize(
             if split == "train":
                 metrics |= {f"dropped_{reason}": n for reason, n in dropped.items()}
                 if src.sentences == 0:
-                    raise RawDataError(
+                    raise InputError(
                         f"{raw / f'train.{langs[0]}'}, {raw / f'train.{langs[1]}'}: all {lines['train']} training "
                         f"pairs were dropped ({', '.join(f'{n} {reason}' for reason, n in dropped.items())}); "
                         "check tokenize.max_len and tokenize.max_len_ratio"

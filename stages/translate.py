@@ -43,18 +43,14 @@ from torch.nn.utils.rnn import pad_sequence
 from tqdm import tqdm
 
 from model.beam_search import beam_search
-from model.transformer import Transformer, build_transformer
-from stages import cli, config, tracking
-from stages.checkpoint import load_checkpoint
-from stages.config import ParamsError, TranslateConfig
-from stages.corpus import BOS_ID, EOS_ID, PAD_ID, load_split, read_meta
-from stages.files import atomic_dir, write_text
-from stages.tokenize import count_lines
+from model.transformer import Transformer
+from pipeline import cli, config, tracking
+from pipeline.checkpoint import load_model
+from pipeline.config import ParamsError, TranslateConfig
+from pipeline.formats import BOS_ID, DECODED_SPLITS, EOS_ID, PAD_ID, load_spm, load_split, read_meta
+from pipeline.files import atomic_dir, count_lines, write_text
 
 log = logging.getLogger(__name__)
-
-SPLITS = ("test", "valid")
-
 
 def check_config(cfg: TranslateConfig, params: Path) -> None:
     """Reject values the search cannot use, naming the key."""
@@ -64,29 +60,6 @@ def check_config(cfg: TranslateConfig, params: Path) -> None:
             raise ParamsError(f"{params}: translate.{key} = {value}: expected at least {least}")
 
 
-def load_model(model_dir: Path, device: torch.device) -> Transformer:
-    """The averaged model of data/model/model.pt, in eval mode on `device`."""
-    path = model_dir / "model.pt"
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: missing; run the average stage first")
-    saved = load_checkpoint(path)  # torch.load(weights_only=True); a refusal names the file
-    model = build_transformer(saved["vocab_size"], **saved["model_config"])
-    model.load_state_dict(saved["model"])
-    return model.to(device).eval()
-
-
-def load_spm(tokenized: Path, model: Transformer) -> spm.SentencePieceProcessor:
-    """The sentencepiece model the translation model was trained with (same vocabulary size)."""
-    path = tokenized / "spm.model"
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: missing; run the tokenize stage first")
-    sp = spm.SentencePieceProcessor(model_file=str(path))
-    if sp.get_piece_size() != model.embedding.num_embeddings:
-        raise ValueError(f"{path} has {sp.get_piece_size()} pieces but the model has a vocabulary of "
-                         f"{model.embedding.num_embeddings}: they were not trained together")
-    return sp
-
-
 def max_source_len(max_positions: int, cfg: TranslateConfig) -> int:
     """Longest source (EOS included) that fits the positional encoding, and whose output limit fits too."""
     if cfg.max_len_a == 0:
@@ -94,7 +67,7 @@ def max_source_len(max_positions: int, cfg: TranslateConfig) -> int:
     return min(max_positions, int((max_positions - cfg.max_len_b) // cfg.max_len_a))
 
 
-def make_batches(lengths: np.ndarray, max_tokens: int, max_sentences: int) -> list[np.ndarray]:
+def decoding_batches(lengths: np.ndarray, max_tokens: int, max_sentences: int) -> list[np.ndarray]:
     """Sentence indices, longest first, in batches of <= max_tokens padded tokens and <= max_sentences sentences."""
     order = np.argsort(-lengths, kind="stable")
     batches, start = [], 0
@@ -120,7 +93,7 @@ def translate_ids(
         log.warning("%d source sentence(s) longer than %d tokens are cut to fit model.max_positions", truncated, limit)
     outputs: list[list[int]] = [[] for _ in sources]
     with tqdm(total=len(sources), unit="sentence", desc="translate", disable=not progress, mininterval=5) as bar:
-        for batch in make_batches(lengths, cfg.max_tokens, max(1, cfg.max_tokens // cfg.beam_size)):
+        for batch in decoding_batches(lengths, cfg.max_tokens, max(1, cfg.max_tokens // cfg.beam_size)):
             rows = [torch.from_numpy(np.append(sources[i][:limit].astype(np.int64), EOS_ID)) for i in batch]
             src = pad_sequence(rows, batch_first=True, padding_value=PAD_ID).to(device)  # [B, S]
             hyps = beam_search(model, src, cfg.beam_size, cfg.length_penalty, cfg.max_len_a, cfg.max_len_b,
@@ -196,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     if "OMP_NUM_THREADS" not in os.environ:  # an explicit setting wins
         torch.set_num_threads(os.cpu_count() or 1)
     model = load_model(args.model, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-    sp = load_spm(args.tokenized, model)
+    sp = load_spm(args.tokenized, model.embedding.num_embeddings)
     if args.stdin:
         translate_stdin(model, sp, cfg)
         return
@@ -206,7 +179,7 @@ def main(argv: list[str] | None = None) -> None:
         run.log_params({"translate": asdict(cfg)})
         start = time.perf_counter()
         translations = {split: translate_split(model, sp, args.tokenized, args.raw, split, langs, cfg)
-                        for split in SPLITS}
+                        for split in DECODED_SPLITS}
         seconds = time.perf_counter() - start
         with atomic_dir(args.out) as tmp:
             for split, lines in translations.items():

@@ -10,9 +10,10 @@ import pytest
 import torch
 import yaml
 
-from model.transformer import build_transformer
+from model.config import ModelConfig
+from model.transformer import Transformer
 from stages import average
-from stages.checkpoint import save_checkpoint
+from pipeline.checkpoint import save_checkpoint
 from tests.translation_fixtures import one_thread, shared_store, store  # noqa: F401 (fixtures)
 
 CONFIG = dict(n_layers=2, d_model=16, d_ff=32, n_heads=2, d_k=8, d_v=8, dropout=0.1,
@@ -27,7 +28,7 @@ def payload(step: int, state: dict, params_hash: str = "abc", model_config: dict
 
 def random_state(seed: int, **overrides) -> dict:
     torch.manual_seed(seed)
-    return build_transformer(VOCAB, **{**CONFIG, **overrides}).state_dict()
+    return Transformer(ModelConfig(**{**CONFIG, **overrides}), VOCAB).state_dict()
 
 
 def run(tmp_path: Path, last_n: int) -> dict:
@@ -69,7 +70,7 @@ def test_two_checkpoints_average_to_their_exact_mean(tmp_path):
         expected = ((a[k].double() + b[k].double()) / 2).float()
         assert torch.equal(out["model"][k], expected), k
     # the model loads and runs with the averaged weights
-    model = build_transformer(out["vocab_size"], **out["model_config"])
+    model = Transformer(ModelConfig(**out["model_config"]), out["vocab_size"])
     model.load_state_dict(out["model"])
 
 

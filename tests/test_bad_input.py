@@ -26,10 +26,12 @@ import pytest
 import torch
 import yaml
 
-from model.transformer import build_transformer
-from stages import average, batch, distributed, download, evaluate, fetch, tracking, train, translate
-from stages.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, sidecar
-from stages.config import DataConfig, ParamsError, TokenizeConfig, TrainConfig, compose, load
+from model.config import ModelConfig
+from model.transformer import Transformer
+from pipeline import distributed, fetch, tracking
+from stages import average, batch, download, evaluate, train, translate
+from pipeline.checkpoint import CheckpointError, load_checkpoint, load_model, save_checkpoint, sidecar
+from pipeline.config import DataConfig, ParamsError, TokenizeConfig, TrainConfig, compose, load
 from stages.tokenize import tokenize
 from tests.http_fixtures import FileServer
 from tests.pipeline_fixtures import ROOT
@@ -50,7 +52,7 @@ def _fast_retries(monkeypatch):
 
 
 def nothing_written(tmp_path: Path, *names: str) -> bool:
-    """None of the outputs, and no temporaries (stages.files names them .<name>.*.tmp), exist."""
+    """None of the outputs, and no temporaries (pipeline.files names them .<name>.*.tmp), exist."""
     return not any((tmp_path / n).exists() for n in names) and not list(tmp_path.glob(".*.tmp"))
 
 
@@ -239,7 +241,7 @@ def test_a_changed_model_config_starts_training_afresh_and_says_so(tmp_path, cap
 
 def test_a_valid_pair_longer_than_the_model_is_left_out_of_validation_not_a_crash(tmp_path, caplog):
     """Valid is never length-filtered (stages.tokenize): a pair beyond model.max_positions must not stop training."""
-    from stages.corpus import batch_paths
+    from pipeline.formats import batch_paths
     from tests.train_fixtures import bucket, target_of, write_split
 
     write_train_corpus(tmp_path)
@@ -269,7 +271,7 @@ class Payload:
 
 def test_a_checkpoint_holding_a_pickled_object_is_refused_and_nothing_runs(tmp_path):
     marker = tmp_path / "pwned"
-    state = build_transformer(20, **MODEL_CONFIG).state_dict()
+    state = Transformer(ModelConfig(**MODEL_CONFIG), 20).state_dict()
     payload = {"step": 1, "model": state, "model_config": MODEL_CONFIG, "vocab_size": 20, "params_hash": "h",
                "extra": Payload(marker)}
     path = save_checkpoint(tmp_path / "ckpt", payload, keep=5)  # sealed: its sha256 sidecar matches
@@ -284,7 +286,7 @@ def test_a_checkpoint_holding_a_pickled_object_is_refused_and_nothing_runs(tmp_p
     torch.save({"model": state, "model_config": MODEL_CONFIG, "vocab_size": 20, "evil": Payload(marker)},
                tmp_path / "model_dir" / "model.pt")
     with pytest.raises(CheckpointError, match=rf"{tmp_path / 'model_dir' / 'model.pt'}: .*[Ww]eights only load failed"):
-        translate.load_model(tmp_path / "model_dir", torch.device("cpu"))
+        load_model(tmp_path / "model_dir", torch.device("cpu"))
     assert not marker.exists() and not (tmp_path / "model").exists()
 
 
@@ -334,7 +336,7 @@ def test_a_tokenizer_from_another_run_is_refused_naming_it(tmp_path, long_lines)
     raw, tokenized, _ = long_lines
     model_dir = tmp_path / "model"
     model_dir.mkdir()
-    torch.save({"model": build_transformer(99, **MODEL_CONFIG).state_dict(), "model_config": MODEL_CONFIG,
+    torch.save({"model": Transformer(ModelConfig(**MODEL_CONFIG), 99).state_dict(), "model_config": MODEL_CONFIG,
                 "vocab_size": 99}, model_dir / "model.pt")
     with pytest.raises(ValueError, match=r"spm\.model has 60 pieces but the model has a vocabulary of 99"):
         translate.main(["--model", str(model_dir), "--tokenized", str(tokenized), "--raw", str(raw),

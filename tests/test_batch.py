@@ -11,7 +11,7 @@ import yaml
 
 from stages import batch
 from stages.batch import fill, make_batches, padding_stats
-from stages.corpus import ID_DTYPE, OFFSET_DTYPE, Batches, load_batches, split_paths
+from pipeline.formats import ID_DTYPE, OFFSET_DTYPE, Batches, load_batches, split_paths
 
 
 def random_lengths(rng: np.random.Generator, n: int, kind: str) -> tuple[np.ndarray, np.ndarray]:

@@ -1,4 +1,4 @@
-"""Beam search and greedy decoding (model/beam_search.py) on tiny random models and scripted ones."""
+"""Beam search (model/beam_search.py) on tiny random models and scripted ones, against a plain greedy reference."""
 
 import math
 from dataclasses import dataclass
@@ -7,8 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from model.beam_search import beam_search, greedy_search, length_penalty
-from model.transformer import build_transformer
+from model.beam_search import Hypothesis, beam_search, length_penalty
+from model.config import ModelConfig
+from model.transformer import Transformer
 
 PAD, UNK, BOS, EOS, A, B = 0, 1, 2, 3, 4, 5
 V = 40
@@ -16,9 +17,9 @@ V = 40
 
 def tiny_model(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    cfg = dict(n_layers=2, d_model=16, d_ff=32, n_heads=2, d_k=8, d_v=8, dropout=0.1,
-               positional_encoding="sinusoidal", max_positions=128)
-    return build_transformer(V, **cfg).eval()
+    cfg = ModelConfig(n_layers=2, d_model=16, d_ff=32, n_heads=2, d_k=8, d_v=8, dropout=0.1,
+                      positional_encoding="sinusoidal", max_positions=128)
+    return Transformer(cfg, V).eval()
 
 
 def sources(lengths: list[int], seed: int = 0) -> torch.Tensor:
@@ -41,6 +42,24 @@ def rescore(model, src_row: torch.Tensor, tokens: list[int], alpha: float) -> tu
     return log_prob, log_prob / length_penalty(len(tokens) + 1, alpha)
 
 
+def greedy_search(model, src: torch.Tensor, max_len_a: float, max_len_b: int) -> list[Hypothesis]:
+    """The reference: one sentence at a time, the whole prefix re-run through model(src, tgt_in) each step."""
+    out = []
+    for row in src:
+        row = row[row != PAD]
+        max_len, tokens, log_prob = max(1, math.floor(max_len_a * len(row) + max_len_b)), [], 0.0
+        with torch.no_grad():
+            for t in range(1, max_len + 1):
+                log_probs = torch.log_softmax(model(row[None], torch.tensor([[BOS] + tokens]))[0, -1], dim=-1)
+                token = EOS if t == max_len else int(log_probs.argmax())
+                log_prob += log_probs[token].item()
+                if token == EOS:
+                    break
+                tokens.append(token)
+        out.append(Hypothesis(tokens, log_prob, log_prob))
+    return out
+
+
 def test_length_penalty_is_the_gnmt_formula():
     assert length_penalty(1, 0.6) == 1.0
     assert math.isclose(length_penalty(7, 0.6), 2**0.6)
@@ -52,7 +71,7 @@ def test_length_penalty_is_the_gnmt_formula():
 def test_beam_size_one_equals_greedy():
     """With alpha = 0 (greedy has no length penalty); with alpha > 0, K = 1 may keep searching past an EOS."""
     model, src = tiny_model(), sources([4, 9, 6, 2, 7, 5, 8, 3], seed=1)
-    greedy = greedy_search(model, src, 1.0, 6, BOS, EOS)
+    greedy = greedy_search(model, src, 1.0, 6)
     beam = beam_search(model, src, 1, 0.0, 1.0, 6, BOS, EOS)
     assert [h.tokens for h in beam] == [h.tokens for h in greedy]
     for b, g in zip(beam, greedy):
@@ -62,7 +81,7 @@ def test_beam_size_one_equals_greedy():
 def test_beam_of_four_scores_at_least_as_high_as_greedy():
     model, src, alpha = tiny_model(seed=2), sources([4, 9, 6, 2, 7, 5, 8, 3], seed=2), 0.6
     beam = beam_search(model, src, 4, alpha, 1.0, 6, BOS, EOS)
-    greedy = greedy_search(model, src, 1.0, 6, BOS, EOS)
+    greedy = greedy_search(model, src, 1.0, 6)
     better = 0
     for row, b, g in zip(src, beam, greedy):
         b_log_prob, b_score = rescore(model, row, b.tokens, alpha)
@@ -91,14 +110,11 @@ class NoEos(nn.Module):
         return logits - 1e4 * (torch.arange(logits.shape[-1]) == EOS), state
 
 
-@pytest.mark.parametrize("search", ["beam", "greedy"])
-def test_maximum_length_follows_each_sentences_source_length(search):
+@pytest.mark.parametrize("beam_size", [1, 3])
+def test_maximum_length_follows_each_sentences_source_length(beam_size):
     lengths, a, b = [3, 5, 6, 2], 1.5, 2
     model, src = NoEos(tiny_model()).eval(), sources([3, 5, 6, 2], seed=3)
-    if search == "beam":
-        hyps = beam_search(model, src, 3, 0.6, a, b, BOS, EOS)
-    else:
-        hyps = greedy_search(model, src, a, b, BOS, EOS)
+    hyps = beam_search(model, src, beam_size, 0.6, a, b, BOS, EOS)
     # Every output hits its own bound floor(a * S_i + b), EOS counted, and EOS is forced there.
     assert [len(h.tokens) + 1 for h in hyps] == [math.floor(a * n + b) for n in lengths] == [6, 9, 11, 5]
     assert all(EOS not in h.tokens for h in hyps)
@@ -171,13 +187,10 @@ def test_early_termination_with_length_penalty_stops_when_the_bound_allows():
     assert hyp.tokens == [A, A] and math.isclose(hyp.score, finished, rel_tol=1e-6)
 
 
-@pytest.mark.parametrize("search", ["beam", "greedy"])
-def test_cached_and_uncached_search_give_identical_tokens(search):
+@pytest.mark.parametrize("beam_size", [1, 4])
+def test_cached_and_uncached_search_give_identical_tokens(beam_size):
     model, src = tiny_model(seed=4), sources([4, 9, 6, 2, 7], seed=4)
-    if search == "beam":
-        cached, uncached = (beam_search(model, src, 4, 0.6, 1.0, 8, BOS, EOS, use_cache=c) for c in (True, False))
-    else:
-        cached, uncached = (greedy_search(model, src, 1.0, 8, BOS, EOS, use_cache=c) for c in (True, False))
+    cached, uncached = (beam_search(model, src, beam_size, 0.6, 1.0, 8, BOS, EOS, use_cache=c) for c in (True, False))
     assert [h.tokens for h in cached] == [h.tokens for h in uncached]
     for c, u in zip(cached, uncached):
         assert math.isclose(c.score, u.score, rel_tol=1e-4)

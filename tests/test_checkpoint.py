@@ -1,4 +1,4 @@
-"""stages.checkpoint: atomic, sealed checkpoints; broken ones are skipped by name; everything loads weights_only."""
+"""pipeline.checkpoint: atomic, sealed checkpoints; broken ones are skipped by name; everything loads weights_only."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from model.transformer import build_transformer
-from stages.checkpoint import (CheckpointError, capture_rng, complete_checkpoints, fingerprint, load_checkpoint,
+from model.config import ModelConfig
+from model.transformer import Transformer
+from pipeline.checkpoint import (CheckpointError, capture_rng, complete_checkpoints, fingerprint, load_checkpoint,
                                restore_rng, save_checkpoint, sidecar)
 from tests.train_fixtures import MODEL, VOCAB
 
@@ -19,7 +20,7 @@ from tests.train_fixtures import MODEL, VOCAB
 def training_payload(step: int) -> dict:
     """A payload shaped like the train stage's: real weights, a real Adam state, RNGs, counters."""
     torch.manual_seed(step)
-    model = build_transformer(VOCAB, **MODEL)
+    model = Transformer(ModelConfig(**MODEL), VOCAB)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     model(torch.tensor([[4, 5, 3]]), torch.tensor([[2, 6]])).sum().backward()
     optimizer.step()

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from stages.config import CONF_DIR, SECTIONS, ParamsError, compose, load, load_all, TrainConfig
+from pipeline.config import CONF_DIR, SECTIONS, ParamsError, compose, load, load_all, TrainConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))

@@ -17,8 +17,9 @@ import pytest
 import yaml
 from sacrebleu.dataset.fake_sgml import FakeSGMLDataset
 
-from stages import download, fetch
-from stages.config import ParamsError, load_all
+from pipeline import fetch
+from stages import download
+from pipeline.config import ParamsError, load_all
 from tests.http_fixtures import FileServer
 
 ROOT = Path(__file__).resolve().parent.parent

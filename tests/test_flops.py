@@ -17,9 +17,12 @@ from model.flops import (
     paper_estimate_flops,
     training_flops,
 )
-from model.transformer import build_transformer
+from model.config import ModelConfig
+from model.transformer import Transformer
 
-TINY = dict(vocab_size=10, n_layers=1, d_model=4, d_ff=8, n_heads=2, d_k=2, d_v=3)
+TINY = ModelConfig(n_layers=1, d_model=4, d_ff=8, n_heads=2, d_k=2, d_v=3, dropout=0.0, positional_encoding="sinusoidal",
+                   max_positions=16)
+V = 10
 
 
 def test_forward_flops_matches_a_hand_count():
@@ -36,17 +39,18 @@ def test_forward_flops_matches_a_hand_count():
         return enc + dec_self + cross + 2 * T * 4 * 8 + 2 * T * 8 * 4 + 2 * T * 4 * 10
 
     expected = sentence(3, 2) + sentence(5, 1)
-    assert forward_flops(**TINY, src_lens=[3, 5], tgt_lens=[2, 1]) == expected
-    assert forward_flops(**TINY, src_lens=torch.tensor([3, 5]), tgt_lens=torch.tensor([2, 1])) == expected
-    assert training_flops(**TINY, src_lens=[3, 5], tgt_lens=[2, 1]) == 3 * expected
+    assert forward_flops(TINY, V, src_lens=[3, 5], tgt_lens=[2, 1]) == expected
+    assert forward_flops(TINY, V, src_lens=torch.tensor([3, 5]), tgt_lens=torch.tensor([2, 1])) == expected
+    assert training_flops(TINY, V, src_lens=[3, 5], tgt_lens=[2, 1]) == 3 * expected
     with pytest.raises(ValueError, match="tgt_lens"):
-        forward_flops(**TINY, src_lens=[3, 5], tgt_lens=[2])
+        forward_flops(TINY, V, src_lens=[3, 5], tgt_lens=[2])
 
 
 def test_training_flops_match_flop_counter_on_forward_and_backward():
-    cfg = dict(n_layers=2, d_model=16, d_ff=32, n_heads=2, d_k=8, d_v=8)
+    cfg = ModelConfig(n_layers=2, d_model=16, d_ff=32, n_heads=2, d_k=8, d_v=8, dropout=0.0,
+                      positional_encoding="sinusoidal", max_positions=64)
     torch.manual_seed(0)
-    model = build_transformer(30, dropout=0.0, positional_encoding="sinusoidal", max_positions=64, **cfg)
+    model = Transformer(cfg, 30)
     B, S, T = 4, 9, 7  # no padding: every sentence is S long on the source side, T on the target side
     src, tgt = torch.randint(4, 30, (B, S)), torch.randint(4, 30, (B, T))
     counter = FlopCounterMode(display=False)
@@ -55,7 +59,7 @@ def test_training_flops_match_flop_counter_on_forward_and_backward():
     with sdpa_kernel(SDPBackend.MATH), counter:
         model(src, tgt).logsumexp(-1).sum().backward()
     counted = counter.get_total_flops()
-    analytic = training_flops(30, src_lens=[S] * B, tgt_lens=[T] * B, **cfg)
+    analytic = training_flops(cfg, 30, src_lens=[S] * B, tgt_lens=[T] * B)
     assert abs(analytic - counted) / counted < 0.10, (analytic, counted)
 
 

@@ -6,8 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model.transformer import MultiHeadAttention, build_transformer, padding_mask, sinusoidal_encoding
-from stages.config import compose
+from model.config import ModelConfig
+from model.transformer import MultiHeadAttention, Transformer, padding_mask, sinusoidal_encoding
+from pipeline.config import compose
 
 PAD, BOS, EOS = 0, 2, 3
 V = 40
@@ -18,7 +19,7 @@ def tiny_model(seed: int = 0, **overrides) -> torch.nn.Module:
     torch.manual_seed(seed)
     cfg = dict(n_layers=2, d_model=16, d_ff=32, n_heads=2, d_k=8, d_v=6, dropout=0.1,
                positional_encoding="sinusoidal", max_positions=64)
-    return build_transformer(V, **{**cfg, **overrides}).eval()
+    return Transformer(ModelConfig(**{**cfg, **overrides}), V).eval()
 
 
 def random_tokens(B: int, L: int, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -182,7 +183,7 @@ def test_incremental_decoding_equals_the_full_pass_also_after_select():
 def parameter_count(experiment: str) -> int:
     cfg = compose([f"experiment={experiment}"])
     with torch.device("meta"):  # count without allocating 213M floats
-        model = build_transformer(cfg["tokenize"]["vocab_size"], **cfg["model"])
+        model = Transformer(ModelConfig(**cfg["model"]), cfg["tokenize"]["vocab_size"])
     return sum(p.numel() for p in model.parameters())
 
 
@@ -199,8 +200,8 @@ def test_initialisation_is_a_standalone_torch_decoder_layers():
     with Xavier)."""
     d, h, d_ff = 256, 4, 1024
     torch.manual_seed(0)
-    ours = build_transformer(8000, n_layers=2, d_model=d, d_ff=d_ff, n_heads=h, d_k=d // h, d_v=d // h, dropout=0.0,
-                             positional_encoding="sinusoidal", max_positions=64)
+    ours = Transformer(ModelConfig(n_layers=2, d_model=d, d_ff=d_ff, n_heads=h, d_k=d // h, d_v=d // h, dropout=0.0,
+                                   positional_encoding="sinusoidal", max_positions=64), 8000)
     ref_layer = torch.nn.TransformerDecoderLayer(d, h, d_ff, batch_first=True)
     layer = ours.decoder[0]
     pairs = [  # (ours, nn.Transformer's) for every kind of matrix

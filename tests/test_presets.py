@@ -2,7 +2,7 @@
 
 import pytest
 
-from stages.config import compose
+from pipeline.config import compose
 
 # Sec. 3, Table 3 (base, big); Sec. 5.1-5.4; Sec. 6.1.
 PAPER = {

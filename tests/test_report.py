@@ -1,4 +1,4 @@
-"""stages.report over a real sqlite MLflow store, and stages.attention's pictures."""
+"""tools.report over a real sqlite MLflow store, and tools.attention's pictures."""
 
 from __future__ import annotations
 
@@ -8,8 +8,11 @@ import pytest
 from mlflow.entities import Metric, Param
 from mlflow.tracking import MlflowClient
 
-from stages import attention, report
-from stages.corpus import load_split
+from tools import attention, report
+import torch
+
+from pipeline.checkpoint import load_model
+from pipeline.formats import load_split
 from tests.translation_fixtures import make_corpus, one_thread, save_model, write_params  # noqa: F401 (fixture)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -24,7 +27,7 @@ def no_global_tracking_uri():
 
 def log_pipeline_run(client: MlflowClient, name: str, warmup_steps: int, bleu: float, bleu_tokenized: float,
                      hours: float) -> None:
-    """A pipeline run as stages.tracking records one: a tagged parent with the metrics files, a child per stage."""
+    """A pipeline run as pipeline.tracking records one: a tagged parent with the metrics files, a child per stage."""
     experiment = client.get_experiment_by_name("transformer-multi30k")
     experiment_id = experiment.experiment_id if experiment else client.create_experiment("transformer-multi30k")
     tags = {"pipeline_key": f"key-{name}", "git_commit": "0123456789abcdef", "preset": "multi30k_small",
@@ -100,7 +103,7 @@ def test_attention_pictures_have_one_heat_map_per_head(tmp_path):
 
 def test_cross_attention_rows_are_distributions_over_the_source(tmp_path):
     raw, tokenized = make_corpus(tmp_path)
-    model = attention.load_model(save_model(tmp_path / "model", tokenized), attention.torch.device("cpu"))
+    model = load_model(save_model(tmp_path / "model", tokenized), torch.device("cpu"))
     weights = attention.cross_attention(model, [10, 11, 12, 13], [20, 21])
     assert weights.shape == (2, 3, 5)  # heads, output pieces + EOS, source pieces + EOS
     assert weights.sum(axis=-1) == pytest.approx(1.0, abs=1e-5)

@@ -2,13 +2,14 @@
 
 import pytest
 
-from model.transformer import build_transformer
-from stages.config import compose
-from stages.table3 import BASE, VARIATIONS, main, queue_command
+from model.config import ModelConfig
+from model.transformer import Transformer
+from pipeline.config import compose
+from tools.table3 import BASE, VARIATIONS, main, queue_command
 
 
 def n_params(model_cfg: dict, vocab_size: int) -> float:
-    return sum(p.numel() for p in build_transformer(vocab_size, **model_cfg).parameters()) / 1e6
+    return sum(p.numel() for p in Transformer(ModelConfig(**model_cfg), vocab_size).parameters()) / 1e6
 
 
 def test_every_variation_changes_exactly_its_knobs():

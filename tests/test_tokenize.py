@@ -12,8 +12,9 @@ import sentencepiece as spm
 import yaml
 
 from stages import tokenize
-from stages.config import ParamsError
-from stages.corpus import SPLITS, UNK_ID, load_split, read_meta
+from pipeline.config import ParamsError
+from pipeline.files import InputError
+from pipeline.formats import SPLITS, UNK_ID, load_split, read_meta
 
 EN = "a the man woman dog child red blue runs sits near under street park ball water big small green".split()
 DE = "ein der mann frau hund kind rot blau läuft sitzt neben unter straße park ball wasser groß klein grün".split()
@@ -169,14 +170,14 @@ def assert_fails_cleanly(tmp_path: Path, raw: Path, error: type, match: str, **o
 def test_missing_raw_file_is_a_clear_error(tmp_path, corpus):
     write_raw(tmp_path / "raw", corpus)
     (tmp_path / "raw" / "test.de").unlink()
-    assert_fails_cleanly(tmp_path, tmp_path / "raw", tokenize.RawDataError, r"missing raw file\(s\): .*test\.de")
+    assert_fails_cleanly(tmp_path, tmp_path / "raw", InputError, r"missing raw file\(s\): .*test\.de")
 
 
 def test_misaligned_sides_are_a_clear_error(tmp_path, corpus):
     write_raw(tmp_path / "raw", {**corpus, "valid": corpus["valid"]})
     with open(tmp_path / "raw" / "valid.de", "a", encoding="utf-8") as f:
         f.write("Ein hund.\n")
-    assert_fails_cleanly(tmp_path, tmp_path / "raw", tokenize.RawDataError,
+    assert_fails_cleanly(tmp_path, tmp_path / "raw", InputError,
                          r"valid\.en has 30 lines but .*valid\.de has 31")
 
 
@@ -186,12 +187,12 @@ def test_invalid_utf8_names_file_and_line(tmp_path, corpus, line, bad):
     lines = (tmp_path / "raw" / "train.de").read_bytes().split(b"\n")[:400]
     lines[line - 1] = bad
     (tmp_path / "raw" / "train.de").write_bytes(b"\n".join(lines))
-    assert_fails_cleanly(tmp_path, tmp_path / "raw", tokenize.RawDataError, rf"train\.de:{line}: not valid UTF-8")
+    assert_fails_cleanly(tmp_path, tmp_path / "raw", InputError, rf"train\.de:{line}: not valid UTF-8")
 
 
 def test_empty_training_set_after_filtering_is_a_clear_error(tmp_path, corpus):
     write_raw(tmp_path / "raw", corpus)  # every sentence has at least two words, so more than one token
-    assert_fails_cleanly(tmp_path, tmp_path / "raw", tokenize.RawDataError,
+    assert_fails_cleanly(tmp_path, tmp_path / "raw", InputError,
                          r"all 400 training pairs were dropped \(0 empty, 400 too_long, 0 ratio\)",
                          max_len=1)
 

@@ -1,4 +1,4 @@
-"""stages.tracking: parent and child runs in a real sqlite store; a dead server costs one warning and seconds."""
+"""pipeline.tracking: parent and child runs in a real sqlite store; a dead server costs one warning and seconds."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import torch
 import yaml
 from mlflow.tracking import MlflowClient
 
-from stages import distributed, tracking, train
+from pipeline import distributed, tracking
+from stages import train
 from tests.http_fixtures import FileServer
 from tests.train_fixtures import stage_args, write_corpus, write_params
 
@@ -172,7 +173,7 @@ def test_a_server_that_never_answers_costs_one_timeout(tmp_path, monkeypatch, ca
 
 
 def test_the_preset_tag_names_the_model_size_of_each_paper_preset():
-    from stages.config import compose
+    from pipeline.config import compose
 
     for experiment, size in (("multi30k_small", "small"), ("wmt14_en_de_base", "base"), ("wmt14_en_fr_big", "big")):
         assert tracking.model_size(compose([f"experiment={experiment}"])["model"]) == size

@@ -22,11 +22,14 @@ from mlflow.tracking import MlflowClient
 from model import flops as flops_lib
 from model import loss as loss_lib
 from model.schedule import lrate
-from model.transformer import build_transformer
-from stages import distributed, train
-from stages.checkpoint import complete_checkpoints, load_checkpoint
-from stages.config import ParamsError
-from stages.corpus import BOS_ID, EOS_ID, PAD_ID, load_batches, load_split
+from model.config import ModelConfig
+from model.transformer import Transformer
+from pipeline import distributed
+from stages import train
+from pipeline.checkpoint import complete_checkpoints, load_checkpoint
+from pipeline.config import ParamsError
+from pipeline.formats import BOS_ID, EOS_ID, PAD_ID, load_batches, load_split
+from pipeline.loader import collate
 from tests.train_fixtures import MODEL, ROOT, VOCAB, stage_args, stage_env, torchrun, write_corpus, write_params
 
 
@@ -97,7 +100,7 @@ def test_label_smoothed_loss_matches_a_hand_computation():
 @pytest.mark.parametrize("eps", [0.0, 0.1])
 def test_the_chunked_loss_equals_cross_entropy_of_the_models_projection(eps):
     torch.manual_seed(0)
-    model = build_transformer(VOCAB, **MODEL)
+    model = Transformer(ModelConfig(**MODEL), VOCAB)
     n = 2 * loss_lib.ProjectedSmoothedLoss.CHUNK + 37  # three chunks, the last one short
     hidden = torch.randn(n, MODEL["d_model"], requires_grad=True)
     targets = torch.randint(0, VOCAB, (n,))
@@ -114,7 +117,7 @@ def test_the_chunked_loss_equals_cross_entropy_of_the_models_projection(eps):
 
 def test_padding_changes_neither_the_loss_nor_the_gradient():
     torch.manual_seed(0)
-    model = build_transformer(VOCAB, **MODEL)
+    model = Transformer(ModelConfig(**MODEL), VOCAB)
     loss_model = loss_lib.SmoothedLoss(model, 0.1)
     pairs = [([5, 6, 7, 8], [9, 10]), ([11, 12], [13, 14, 15, 16, 17])]
     padded = [torch.tensor([s + [EOS_ID] + [PAD_ID] * (5 - len(s)) for s, _ in pairs]),
@@ -139,7 +142,7 @@ def test_batches_frame_sentences_with_eos_and_bos_and_pad_the_rest(tmp_path):
     tokenized, batches = write_corpus(tmp_path)
     src, tgt = load_split(tokenized, "train", "en"), load_split(tokenized, "train", "de")
     rows = np.array([0, 3, 7])
-    batch = train.make_batch(src, tgt, rows, torch.device("cpu"))
+    batch = collate(src, tgt, rows, torch.device("cpu"))
     for i, r in enumerate(rows):
         s, t = src[r].tolist(), tgt[r].tolist()
         assert batch.src[i].tolist() == s + [EOS_ID] + [PAD_ID] * (batch.src.shape[1] - len(s) - 1)
@@ -213,8 +216,7 @@ def test_metrics_and_plot_describe_the_run(tmp_path):
     assert len(b) == 10 and metrics["grad_accum"] == 2
     S = np.diff(load_split(tokenized, "train", "en").offsets)[b.index] + 1
     T = np.diff(load_split(tokenized, "train", "de").offsets)[b.index] + 1
-    cfg = {k: MODEL[k] for k in ("n_layers", "d_model", "d_ff", "n_heads", "d_k", "d_v")}
-    assert metrics["flops_analytic"] == pytest.approx(flops_lib.training_flops(VOCAB, **cfg, src_lens=S, tgt_lens=T))
+    assert metrics["flops_analytic"] == pytest.approx(flops_lib.training_flops(ModelConfig(**MODEL), VOCAB, S, T))
     assert metrics["train_tokens"] == int(T.sum())
     assert 0 < metrics["mfu"] <= 1
     assert metrics["mfu"] == pytest.approx(metrics["flops_analytic"] / (metrics["step_seconds"] * metrics["peak_flops"]))

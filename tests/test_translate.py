@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from stages import translate
-from stages.config import TranslateConfig
-from stages.corpus import load_split
+from pipeline.config import TranslateConfig
+from pipeline.checkpoint import load_model
+from pipeline.formats import load_spm, load_split
 from tests.translation_fixtures import TEST_EN, TRANSLATE, VALID_EN, make_corpus, save_model, write_params
 from tests.translation_fixtures import one_thread, shared_store, store  # noqa: F401 (fixtures)
 
@@ -30,8 +31,8 @@ def setup(tmp_path_factory):
 
 
 def one_at_a_time(model_dir: Path, tokenized: Path, sources: list[np.ndarray]) -> list[str]:
-    model = translate.load_model(model_dir, torch.device("cpu"))
-    sp = translate.load_spm(tokenized, model)
+    model = load_model(model_dir, torch.device("cpu"))
+    sp = load_spm(tokenized, model.embedding.num_embeddings)
     return [translate.detokenize(sp, translate.translate_ids(model, [s], CFG, progress=False))[0] for s in sources]
 
 
@@ -45,7 +46,7 @@ def run_main(tmp_path: Path, setup) -> Path:
 
 def test_batches_hold_at_most_max_tokens_and_cover_every_sentence():
     lengths = np.array([3, 9, 1, 4, 4, 12, 2, 7])
-    batches = translate.make_batches(lengths, max_tokens=12, max_sentences=3)
+    batches = translate.decoding_batches(lengths, max_tokens=12, max_sentences=3)
     assert sorted(np.concatenate(batches).tolist()) == list(range(8))
     for batch in batches:
         assert len(batch) <= 3 and len(batch) * lengths[batch].max() <= 12
@@ -53,7 +54,7 @@ def test_batches_hold_at_most_max_tokens_and_cover_every_sentence():
 
 
 def test_a_sentence_longer_than_max_tokens_gets_a_batch_of_its_own():
-    assert [b.tolist() for b in translate.make_batches(np.array([2, 50, 3]), 10, 8)] == [[1], [2, 0]]
+    assert [b.tolist() for b in translate.decoding_batches(np.array([2, 50, 3]), 10, 8)] == [[1], [2, 0]]
 
 
 def test_main_writes_one_line_per_source_line_in_source_order(tmp_path, setup):
@@ -71,7 +72,7 @@ def test_main_writes_one_line_per_source_line_in_source_order(tmp_path, setup):
 def test_a_translation_batch_matches_translating_sentences_alone(setup):
     """Padding and beam bookkeeping in a batch of different lengths change nothing."""
     _, tokenized, model_dir = setup
-    model = translate.load_model(model_dir, torch.device("cpu"))
+    model = load_model(model_dir, torch.device("cpu"))
     encoded = load_split(tokenized, "test", "en")
     sources = [encoded[i] for i in range(len(encoded))]
     batched = translate.translate_ids(model, sources, TranslateConfig(**{**TRANSLATE, "max_tokens": 1000}), False)
@@ -103,8 +104,8 @@ def test_stdin_mode_prints_one_translation_per_piped_line(tmp_path, setup):
     done = subprocess.run(stdin_command(tmp_path, setup), input="\n".join(lines) + "\n", cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    model = translate.load_model(model_dir, torch.device("cpu"))
-    sp = translate.load_spm(tokenized, model)
+    model = load_model(model_dir, torch.device("cpu"))
+    sp = load_spm(tokenized, model.embedding.num_embeddings)
     expected = one_at_a_time(model_dir, tokenized, [np.array(ids) for ids in sp.encode(lines)])
     assert done.stdout.split("\n") == expected + [""]
 

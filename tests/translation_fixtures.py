@@ -18,9 +18,10 @@ import pytest
 import torch
 import yaml
 
-from model.transformer import build_transformer
-from stages.config import TokenizeConfig
-from stages.corpus import read_meta
+from model.config import ModelConfig
+from model.transformer import Transformer
+from pipeline.config import TokenizeConfig
+from pipeline.formats import read_meta
 from stages.tokenize import tokenize
 
 MODEL_CONFIG = dict(n_layers=2, d_model=16, d_ff=32, n_heads=2, d_k=8, d_v=8, dropout=0.1,
@@ -91,7 +92,7 @@ def save_model(model_dir: Path, tokenized: Path, seed: int = 0) -> Path:
     """A randomly initialised tiny model written as the average stage writes data/model/model.pt."""
     torch.manual_seed(seed)
     vocab_size = read_meta(tokenized)["vocab_size"]
-    model = build_transformer(vocab_size, **MODEL_CONFIG)
+    model = Transformer(ModelConfig(**MODEL_CONFIG), vocab_size)
     model_dir.mkdir(parents=True, exist_ok=True)
     torch.save({"model": model.state_dict(), "model_config": MODEL_CONFIG, "vocab_size": vocab_size,
                 "steps": [1], "params_hash": "test"}, model_dir / "model.pt")

@@ -1,16 +1,16 @@
 """Compare the pipeline runs recorded in MLflow with each other and with the paper's Table 2.
 
-    python -m stages.report [--out reports/] [--tracking-uri sqlite:///mlflow.db]
+    python -m tools.report [--out reports/] [--tracking-uri sqlite:///mlflow.db]
 
 Not a DVC stage: it reads every pipeline run in the MLflow store (the tracking
-URI of stages.tracking unless given) and writes
+URI of pipeline.tracking unless given) and writes
 
     reports/report.md            one row per run: preset, the params that differ
                                  between runs, BLEU both ways, training FLOPs three
                                  ways, hours, devices; then the paper's rows
     reports/bleu_vs_flops.png    BLEU against training FLOPs (log x), ours and the paper's
 
-Where the numbers live (stages/tracking.py): a pipeline run is a parent run
+Where the numbers live (pipeline/tracking.py): a pipeline run is a parent run
 tagged `pipeline_key` (and preset, git_commit, dvc_exp_name); its metrics are
 the DVC metrics files as `<file stem>.<key>` (eval.bleu, train.flops_analytic...),
 their strings as tags (train.device, eval.signature); the params are on its
@@ -33,8 +33,8 @@ from pathlib import Path
 import pandas as pd
 from matplotlib.figure import Figure
 
-from stages import cli, tracking
-from stages.files import write_bytes, write_text
+from pipeline import cli, tracking
+from pipeline.files import write_bytes, write_text
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Queue the paper's Table 3 model variations (rows A to E) as DVC experiments.
 
-    python -m stages.table3 --dry-run     # print the `dvc exp run --queue` commands
-    python -m stages.table3               # queue them all
+    python -m tools.table3 --dry-run     # print the `dvc exp run --queue` commands
+    python -m tools.table3               # queue them all
     dvc queue start -j 1                  # run the queue; then: dvc exp show
 
 Each variation is the base preset on WMT 2014 en-de with a few knobs changed.

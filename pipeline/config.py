@@ -1,7 +1,7 @@
 """Typed, strict access to params.yaml: one frozen dataclass per section.
 
-    python -m stages.config params.yaml     # validate every section, print OK
-    python -m stages.config --compose params.yaml [experiment=NAME ...]
+    python -m pipeline.config params.yaml     # validate every section, print OK
+    python -m pipeline.config --compose params.yaml [experiment=NAME ...]
                                             # write conf/ composed (what `dvc exp run -S` does)
 
 Field names are the params keys (the paper's symbols). There are no defaults:
@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
+
+from model.config import ModelConfig
 
 T = TypeVar("T")
 
@@ -46,7 +48,7 @@ class FileSource:
 
 
 @dataclass(frozen=True)
-class Corpus:
+class ParallelCorpus:
     """An aligned pair of files; a split concatenates its corpora in order."""
 
     name: str
@@ -59,9 +61,9 @@ class DataConfig:
     name: str
     src_lang: str
     tgt_lang: str
-    train: tuple[Corpus, ...]
-    valid: tuple[Corpus, ...]
-    test: tuple[Corpus, ...]
+    train: tuple[ParallelCorpus, ...]
+    valid: tuple[ParallelCorpus, ...]
+    test: tuple[ParallelCorpus, ...]
 
 
 @dataclass(frozen=True)
@@ -82,19 +84,6 @@ class BatchConfig:
 
 
 # --- model and training -------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    n_layers: int  # N
-    d_model: int
-    d_ff: int
-    n_heads: int  # h
-    d_k: int
-    d_v: int
-    dropout: float  # P_drop
-    positional_encoding: str  # "sinusoidal" (Sec. 3.5) or "learned" (Table 3 row E)
-    max_positions: int  # longest sequence the positional encoding covers
 
 
 @dataclass(frozen=True)
@@ -206,13 +195,18 @@ def read_yaml(path: str | Path) -> dict:
     return raw
 
 
+def parse(raw: dict, section: str, cls: type[T]) -> T:
+    """One section of already-read params (e.g. compose()'s result) as its frozen dataclass."""
+    if section not in raw:
+        raise ParamsError(f"missing section '{section}'")
+    return _to_dataclass(raw[section], cls, section)
+
+
 def load(path: str | Path, section: str, cls: type[T]) -> T:
     """Load one section of a params file into its frozen dataclass."""
     raw = read_yaml(path)
-    if section not in raw:
-        raise ParamsError(f"{path}: missing section '{section}'")
     try:
-        return _to_dataclass(raw[section], cls, section)
+        return parse(raw, section, cls)
     except ParamsError as e:
         raise ParamsError(f"{path}: {e}") from None
 
@@ -227,7 +221,7 @@ def load_all(path: str | Path) -> dict[str, Any]:
 
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
-HEADER = "# Composed from conf/ (the comments and paper citations live there):\n#   python -m stages.config --compose params.yaml\n"
+HEADER = "# Composed from conf/ (the comments and paper citations live there):\n#   python -m pipeline.config --compose params.yaml\n"
 
 
 def compose(overrides: list[str] = (), conf_dir: str | Path = CONF_DIR) -> dict:
@@ -251,7 +245,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--compose":
         path, overrides = argv[1], argv[2:]
-        from stages.files import write_text
+        from pipeline.files import write_text
 
         write_text(path, HEADER + yaml.safe_dump(compose(overrides), sort_keys=False))
     path = argv[1] if argv and argv[0] == "--compose" else (argv[0] if argv else "params.yaml")

@@ -21,10 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import sentencepiece as spm
 
 # Special ids of the shared sentencepiece vocabulary (stages.tokenize sets them).
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 SPLITS = ("train", "valid", "test")
+BATCHED_SPLITS = ("train", "valid")  # the batch stage's; test is batched by the translate stage
+DECODED_SPLITS = ("test", "valid")  # what the translate stage translates and the evaluate stage scores
 ID_DTYPE = np.dtype("<u2")
 OFFSET_DTYPE = np.dtype("<i8")
 
@@ -70,6 +73,18 @@ def read_meta(directory: str | Path) -> dict:
     if not path.exists():
         raise FileNotFoundError(f"{path}: missing; run the tokenize stage first")
     return json.loads(path.read_text(encoding="utf-8"))
+
+
+def load_spm(directory: str | Path, vocab_size: int) -> spm.SentencePieceProcessor:
+    """The shared sentencepiece model, after checking it has the `vocab_size` pieces a model was trained with."""
+    path = Path(directory) / "spm.model"
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: missing; run the tokenize stage first")
+    sp = spm.SentencePieceProcessor(model_file=str(path))
+    if sp.get_piece_size() != vocab_size:
+        raise ValueError(f"{path} has {sp.get_piece_size()} pieces but the model has a vocabulary of "
+                         f"{vocab_size}: they were not trained together")
+    return sp
 
 
 @dataclass(frozen=True)

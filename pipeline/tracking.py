@@ -1,6 +1,6 @@
 """MLflow tracking: one parent run per pipeline run, one child run under it per stage.
 
-    from stages import tracking
+    from pipeline import tracking
     with tracking.stage_run("train", args.params) as run:    # enabled=False on ranks > 0
         run.log_params({"model": asdict(model_cfg)})         # nested dicts -> "model.d_model"
         run.log_metrics({"loss": 2.3}, step=100)
@@ -85,16 +85,15 @@ def git_commit(directory: Path) -> str:
     return out.stdout.strip() if out.returncode == 0 else "unknown"
 
 
-SIZE_KEYS = ("n_layers", "d_model", "d_ff", "n_heads", "d_k", "d_v")
-
-
 def model_size(model: dict) -> str:
-    """The conf/model preset (small, base, big) whose shape the model section has, else 'custom'."""
-    from stages.config import CONF_DIR
+    """The conf/model preset (small, base, big) whose shape (ModelConfig.shape) the model section has, else 'custom'."""
+    from model.config import ModelConfig
+    from pipeline.config import CONF_DIR
 
+    fields = ModelConfig.__dataclass_fields__
     for path in sorted((CONF_DIR / "model").glob("*.yaml")):
-        preset = yaml.safe_load(path.read_text(encoding="utf-8"))
-        if all(model.get(k) == preset.get(k) for k in SIZE_KEYS):
+        preset = {k: v for k, v in yaml.safe_load(path.read_text(encoding="utf-8")).items() if k in fields}
+        if set(preset) == set(fields) and all(model.get(k) == v for k, v in ModelConfig(**preset).shape().items()):
             return path.stem
     return "custom"
 

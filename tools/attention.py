@@ -1,6 +1,6 @@
 """Pictures of the encoder-decoder attention: one heat map per head of the last decoder layer.
 
-    python -m stages.attention --model data/model --tokenized data/tokenized --raw data/raw --out reports/attention [--n 3] [--params params.yaml]
+    python -m tools.attention --model data/model --tokenized data/tokenized --raw data/raw --out reports/attention [--n 3] [--params params.yaml]
 
 Not a DVC stage. Takes the first `n` test sentences of 5 to 30 pieces (longer
 ones make unreadable pictures), translates them as the translate stage does
@@ -24,11 +24,12 @@ import torch
 from matplotlib.figure import Figure
 
 from model.transformer import Transformer
-from stages import cli, config
-from stages.config import TranslateConfig
-from stages.corpus import BOS_ID, EOS_ID, EncodedSplit, load_split, read_meta
-from stages.files import atomic_dir, write_bytes
-from stages.translate import check_config, load_model, load_spm, translate_ids
+from pipeline import cli, config
+from pipeline.config import TranslateConfig
+from pipeline.checkpoint import load_model
+from pipeline.formats import BOS_ID, EOS_ID, EncodedSplit, load_spm, load_split, read_meta
+from pipeline.files import atomic_dir, write_bytes
+from stages.translate import check_config, translate_ids
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = config.load(args.params, "translate", TranslateConfig)
     check_config(cfg, args.params)
     model = load_model(args.model, torch.device("cpu"))
-    sp = load_spm(args.tokenized, model)
+    sp = load_spm(args.tokenized, model.embedding.num_embeddings)
     src_lang = read_meta(args.tokenized)["src_lang"]
     sources = load_split(args.tokenized, "test", src_lang)
     raw_lines = (args.raw / f"test.{src_lang}").read_text(encoding="utf-8").split("\n")

@@ -1,4 +1,4 @@
-"""Atomic outputs: a killed or failing stage leaves the old output or the new one, never half.
+"""Files: atomic outputs (a killed or failing stage leaves the old output or the new one, never half), input errors.
 
 Every stage writes through these helpers. A file is written to a temporary
 sibling, flushed and fsynced, then renamed over the target; a directory is
@@ -8,7 +8,9 @@ propagate with the target's name, and the temporary is removed.
 
 from __future__ import annotations
 
+import codecs
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -22,6 +24,10 @@ log = logging.getLogger(__name__)
 
 class OutputError(OSError):
     """Writing an output failed; the previous output, if any, is untouched."""
+
+
+class InputError(ValueError):
+    """An input file is missing or malformed; the message names the file (and line) and what was expected."""
 
 
 def _umask() -> int:
@@ -102,3 +108,18 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
         if isinstance(e, OSError) and not isinstance(e, OutputError):
             raise OutputError(e.errno, f"could not write {path}: {e.strerror or e}") from e
         raise
+
+
+def count_lines(path: Path) -> int:
+    """Lines in a UTF-8 text file (a last line without a newline counts); raises InputError naming the first bad line."""
+    decoder, n, last = codecs.getincrementaldecoder("utf-8")(), 0, b"\n"
+    with open(path, "rb") as f:
+        for block in itertools.chain(iter(lambda: f.read(1 << 20), b""), [b""]):
+            try:
+                decoder.decode(block, final=not block)
+            except UnicodeDecodeError as e:
+                line = n + block.count(b"\n", 0, e.start) + 1
+                raise InputError(f"{path}:{line}: not valid UTF-8 ({e.reason})") from None
+            n += block.count(b"\n")
+            last = block[-1:] or last
+    return n + (last != b"\n")

@@ -3,11 +3,12 @@
     save_checkpoint(directory, payload, keep) -> Path     # write, seal, keep the newest `keep`
     complete_checkpoints(directory) -> list[Path]         # sealed and intact, oldest step first
     load_checkpoint(path) -> dict                         # torch.load(weights_only=True)
+    load_model(model_dir, device) -> Transformer          # the average stage's model.pt, ready to translate
     resume_point(directory, params_hash) -> (path, payload) | None   # what a restarted run continues from
     fingerprint(obj, files) -> str                        # sha256 of a JSON-able object and files
     capture_rng() -> dict / restore_rng(state)            # torch (CPU, CUDA), numpy, random
 
-A checkpoint is the .pt file (written through stages.files.atomic_file) plus,
+A checkpoint is the .pt file (written through pipeline.files.atomic_file) plus,
 written after it, `step_XXXXXXXX.pt.sha256` in `sha256sum` format. It counts
 only when both exist and the file's digest matches the sidecar: a kill between
 the two writes, a truncated copy or a flipped byte leaves a file that
@@ -31,8 +32,10 @@ from typing import BinaryIO
 import numpy as np
 import torch
 
-from stages import faults
-from stages.files import atomic_file, write_text
+from model.config import ModelConfig
+from model.transformer import Transformer
+from pipeline import faults
+from pipeline.files import atomic_file, write_text
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +139,17 @@ def load_checkpoint(path: str | Path) -> dict:
     if not isinstance(payload, dict) or "model" not in payload:
         raise CheckpointError(f"{path}: not a training checkpoint (expected a dict with 'model')")
     return payload
+
+
+def load_model(model_dir: str | Path, device: torch.device) -> Transformer:
+    """The averaged model of <model_dir>/model.pt (the average stage's output), in eval mode on `device`."""
+    path = Path(model_dir) / "model.pt"
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: missing; run the average stage first")
+    saved = load_checkpoint(path)  # torch.load(weights_only=True); a refusal names the file
+    model = Transformer(ModelConfig(**saved["model_config"]), saved["vocab_size"])
+    model.load_state_dict(saved["model"])
+    return model.to(device).eval()
 
 
 def resume_point(directory: str | Path, params_hash: str) -> tuple[Path, dict] | None:

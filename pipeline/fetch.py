@@ -25,8 +25,8 @@ import requests
 import urllib3
 from tqdm import tqdm
 
-from stages.config import FileSource
-from stages.files import OutputError, atomic_file
+from pipeline.config import FileSource
+from pipeline.files import OutputError, atomic_file
 
 log = logging.getLogger(__name__)
 

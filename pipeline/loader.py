@@ -1,0 +1,100 @@
+"""From stored batches to tensors: what one training or validation step reads.
+
+    data = TrainingData.load(tokenized, batches)      # memory-mapped splits and batches (pipeline.formats)
+    batch = collate(data.train_src, data.train_tgt, rows, device)
+
+A Batch frames each pair as the model sees it: encoder input source + [EOS],
+decoder input [BOS] + target, labels target + [EOS], right-padded with PAD_ID.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from pipeline.formats import BOS_ID, EOS_ID, PAD_ID, Batches, EncodedSplit, load_batches, load_split, read_meta
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One padded batch: encoder input src + [EOS], decoder input [BOS] + tgt, labels tgt + [EOS]."""
+
+    src: Tensor  # [B, S]
+    tgt_in: Tensor  # [B, T]
+    labels: Tensor  # [B, T], PAD_ID where there is no target token
+    tokens: int  # real target tokens: labels != PAD_ID
+
+
+def pad_rows(split: EncodedSplit, rows: np.ndarray, bos: bool, eos: bool) -> np.ndarray:
+    """Sentences `rows` of `split` as one int64 [B, L] array, optionally framed by BOS/EOS, right-padded."""
+    starts = split.offsets[rows]
+    lengths = split.offsets[rows + 1] - starts
+    longest = int(lengths.max())
+    out = np.full((len(rows), longest + bos + eos), PAD_ID, dtype=np.int64)
+    cols = np.arange(longest)
+    real = cols < lengths[:, None]  # [B, longest]
+    out[:, int(bos) : int(bos) + longest][real] = split.ids[(starts[:, None] + cols)[real]]
+    if bos:
+        out[:, 0] = BOS_ID
+    if eos:
+        out[np.arange(len(rows)), lengths + int(bos)] = EOS_ID
+    return out
+
+
+def collate(src: EncodedSplit, tgt: EncodedSplit, rows: np.ndarray, device: torch.device) -> Batch:
+    """Tensors of the sentence pairs `rows`, on `device`."""
+    rows = np.asarray(rows, dtype=np.int64)
+    arrays = (pad_rows(src, rows, False, True), pad_rows(tgt, rows, True, False), pad_rows(tgt, rows, False, True))
+    tokens = int((tgt.offsets[rows + 1] - tgt.offsets[rows]).sum()) + len(rows)
+    src_t, tgt_in, labels = (torch.from_numpy(a).to(device, non_blocking=True) for a in arrays)
+    return Batch(src_t, tgt_in, labels, tokens)
+
+
+@dataclass(frozen=True)
+class TrainingData:
+    """The train and valid splits and their stored batches."""
+
+    vocab_size: int
+    train_src: EncodedSplit
+    train_tgt: EncodedSplit
+    valid_src: EncodedSplit
+    valid_tgt: EncodedSplit
+    train_batches: Batches
+    valid_batches: Batches
+
+    @staticmethod
+    def load(tokenized: Path, batches: Path) -> TrainingData:
+        meta = read_meta(tokenized)
+        s, t = meta["src_lang"], meta["tgt_lang"]
+        return TrainingData(int(meta["vocab_size"]), load_split(tokenized, "train", s), load_split(tokenized, "train", t),
+                            load_split(tokenized, "valid", s), load_split(tokenized, "valid", t),
+                            load_batches(batches, "train"), load_batches(batches, "valid"))
+
+    def valid_fits(self, max_positions: int) -> np.ndarray:
+        """Per valid pair: whether both sides, with EOS / BOS, fit the model's positions."""
+        return np.maximum(np.diff(self.valid_src.offsets), np.diff(self.valid_tgt.offsets)) + 1 <= max_positions
+
+    def lengths(self, batch_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Model lengths (source + EOS, target + BOS/EOS) of every pair in train batches `batch_ids`."""
+        rows = np.concatenate([self.train_batches[b] for b in batch_ids]) if len(batch_ids) else np.zeros(0, np.int64)
+        lengths = [split.offsets[rows + 1] - split.offsets[rows] + 1 for split in (self.train_src, self.train_tgt)]
+        return lengths[0], lengths[1]
+
+    def micro_batches(self, mine: list[int], n_micro: int, spare: int, device: torch.device) -> list[tuple[Batch, bool]]:
+        """This rank's batches of a step as (batch, real); topped up to n_micro with zero-weight repeats (epoch tail)."""
+        micro = [(collate(self.train_src, self.train_tgt, self.train_batches[b], device), True) for b in mine]
+        if len(micro) < n_micro:
+            filler = micro[0][0] if micro else collate(self.train_src, self.train_tgt, self.train_batches[spare], device)
+            micro += [(filler, False)] * (n_micro - len(micro))
+        return micro
+
+    def valid_share(self, rank: int, world: int, max_positions: int, device: torch.device) -> tuple[list[Batch], int]:
+        """This rank's validation batches (every world-th), pairs longer than max_positions left out; (batches, left out)."""
+        fits = self.valid_fits(max_positions)  # valid is never length-filtered (stages.tokenize)
+        mine = (self.valid_batches[b] for b in range(rank, len(self.valid_batches), world))
+        batches = [collate(self.valid_src, self.valid_tgt, rows[fits[rows]], device) for rows in mine if fits[rows].any()]
+        return batches, int((~fits).sum())

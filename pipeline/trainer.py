@@ -1,0 +1,343 @@
+"""The training loop of Sec. 5: Adam, warmup then inverse-square-root LR, label smoothing, data parallel.
+
+    trainer = Trainer(data, model_cfg, train_cfg, max_tokens, ctx, run, phash, checkpoints, plot)
+    metrics = trainer.fit()            # or drive it: trainer.step(order), trainer.validate()
+
+Each step updates on train.tokens_per_step target tokens: every one of the
+world's processes accumulates grad_accumulation() micro-batches (one stored
+batch each). Each epoch shuffles the batch order (seed + epoch); a step takes the
+next world x accumulation batches of it and rank r the r-th of every world. The
+loss is summed over real target tokens and divided by the step's real target
+tokens over all ranks and micro-batches, so the update is that of one big batch.
+
+Stops at train.max_steps or after train.max_minutes of training (across
+resumes), whichever comes first: rank 0's clock decides for every rank.
+Checkpoints (pipeline/checkpoint.py) every checkpoint_every steps and/or
+checkpoint_minutes, and at the end; on start the newest complete checkpoint
+with the same params_hash is resumed exactly (weights, Adam, RNGs, data
+position, counters): an interrupted run ends with the same weights as an
+uninterrupted one. Only rank 0 writes.
+
+Set STAGES_TRAIN_TRACE=DIR to have every rank append, per step, the batches it
+trained on and a checksum of its parameters to DIR/rank<r>.jsonl (tests).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+from tqdm import tqdm
+
+from model import flops as flops_lib
+from model.config import ModelConfig
+from model.loss import SmoothedLoss, real_hidden, smoothed_and_nll
+from model.schedule import lrate
+from model.transformer import Transformer
+from pipeline import checkpoint as ckpt
+from pipeline import distributed, faults, tracking
+from pipeline.config import TrainConfig
+from pipeline.distributed import Dist
+from pipeline.files import write_text
+from pipeline.formats import batch_paths
+from pipeline.loader import Batch, TrainingData
+
+log = logging.getLogger(__name__)
+
+PLOT_COLUMNS = ("step", "loss", "lr", "tokens_per_second", "valid_ppl")
+# Train params that do not change the weights of a given step: changing them
+# resumes the old run instead of restarting it (e.g. a larger max_steps continues).
+NOT_WEIGHT_SHAPING = ("max_steps", "max_minutes", "eval_every", "log_every",
+                      "checkpoint_minutes", "checkpoint_every", "keep_checkpoints")
+TRACE_ENV = "STAGES_TRAIN_TRACE"
+
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """Adam with the paper's betas and epsilon (Sec. 5.3); the learning rate is set before every step."""
+    return torch.optim.Adam(model.parameters(), lr=0.0, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
+                            fused=True)
+
+
+@torch.no_grad()
+def validate(model: Transformer, batches: list[Batch], label_smoothing: float, ctx: Dist, autocast) -> dict[str, float]:
+    """valid_loss (label-smoothed) and valid_nll per real target token, valid_ppl = exp(nll), over all ranks."""
+    model.eval()
+    sums = torch.zeros(3, dtype=torch.float64, device=ctx.device)  # smoothed, nll, tokens
+    for b in batches:
+        with autocast:
+            hidden, targets = real_hidden(model, b.src, b.tgt_in, b.labels)
+            logits = model.project(hidden)
+        smoothed, nll = smoothed_and_nll(logits, targets, label_smoothing)
+        sums[0] += smoothed.double()
+        sums[1] += nll.double()
+        sums[2] += b.tokens
+    model.train()
+    smoothed, nll, tokens = distributed.all_sum(sums, ctx).tolist()
+    tokens = max(tokens, 1.0)
+    return {"valid_loss": smoothed / tokens, "valid_nll": nll / tokens, "valid_ppl": math.exp(nll / tokens)}
+
+
+def train_step(loss_model: nn.Module, optimizer: torch.optim.Optimizer, micro: list[tuple[Batch, bool]],
+               global_tokens: int, lr: float, ctx: Dist, autocast) -> Tensor:
+    """Accumulate the gradients of this rank's micro-batches, then one Adam update; returns this rank's summed loss.
+
+    Each micro-batch's summed loss is scaled by world / global_tokens: DDP
+    averages gradients over the world, so the update is the gradient of the
+    step's summed loss over its real target tokens on all ranks. A padding
+    micro-batch (False: none left for this rank at an epoch's tail) is weighted
+    0, so the rank still joins the all-reduce without changing the update.
+    """
+    scale = ctx.world / global_tokens
+    total = torch.zeros((), device=ctx.device)
+    for i, (batch, real) in enumerate(micro):
+        sync = i == len(micro) - 1 or not isinstance(loss_model, DistributedDataParallel)
+        with (contextlib.nullcontext() if sync else loss_model.no_sync()), autocast:
+            loss = loss_model(batch.src, batch.tgt_in, batch.labels)
+        (loss * (scale if real else 0.0)).backward()
+        if real:
+            total += loss.detach().float()
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return total
+
+
+@dataclass
+class Progress:
+    """Everything besides weights, Adam and RNGs that a resumed run must continue from."""
+
+    step: int = 0
+    epoch: int = 0
+    cursor: int = 0  # next position in the epoch's batch order
+    train_tokens: int = 0
+    flops: float = 0.0
+    elapsed_seconds: float = 0.0  # wall clock of the training loop (evaluation and checkpoints included)
+    step_seconds: float = 0.0  # time in training steps only (tokens per second, MFU)
+    valid: dict = field(default_factory=dict)
+    plot_rows: list = field(default_factory=list)
+
+
+def params_hash(model_cfg: ModelConfig, train_cfg: TrainConfig, max_tokens: int, tokenized: Path, batches: Path) -> str:
+    """sha256 of what shapes the weights: model, train (less NOT_WEIGHT_SHAPING), batch.max_tokens, the data."""
+    train = {k: v for k, v in asdict(train_cfg).items() if k not in NOT_WEIGHT_SHAPING}
+    files = [p for p in (tokenized / "meta.json", tokenized / "spm.model", *batch_paths(batches, "train")) if p.exists()]
+    return ckpt.fingerprint({"model": asdict(model_cfg), "train": train, "batch.max_tokens": max_tokens}, files)
+
+
+def plot_csv(rows: list[list]) -> str:
+    lines = [",".join(PLOT_COLUMNS)]
+    lines += [",".join("" if v is None else (str(v) if isinstance(v, int) else f"{v:.6g}") for v in r) for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def trace(ctx: Dist, step: int, batch_ids: list[int], model: nn.Module) -> None:
+    """Debug record for tests: this rank's batches of `step` and a checksum of its parameters."""
+    directory = os.environ.get(TRACE_ENV)
+    if directory:
+        checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
+        with open(Path(directory) / f"rank{ctx.rank}.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, "batches": batch_ids, "checksum": checksum}) + "\n")
+
+
+def progress_bar(cfg: TrainConfig, p: Progress, show: bool) -> tqdm:
+    """Steps out of max_steps, or, under a wall-clock budget (max_minutes), seconds out of that budget."""
+    if cfg.max_minutes > 0:
+        total = cfg.max_minutes * 60
+        return tqdm(total=total, initial=min(p.elapsed_seconds, total), disable=not show, unit="s",
+                    dynamic_ncols=True, bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} s [{elapsed}<{remaining}{postfix}]")
+    return tqdm(total=cfg.max_steps, initial=p.step, disable=not show, unit="step", dynamic_ncols=True)
+
+
+class Trainer:
+    """One training run, fresh or resumed: model, Adam, data position and counters; rank 0 writes.
+
+    `checkpoints` and `plot` may be None (benchmarks): then nothing is resumed or written.
+    """
+
+    def __init__(self, data: TrainingData, model_cfg: ModelConfig, cfg: TrainConfig, max_tokens: int, ctx: Dist,
+                 run: tracking.StageRun, phash: str, checkpoints: Path | None = None, plot: Path | None = None):
+        self.data, self.model_cfg, self.cfg, self.ctx, self.run = data, model_cfg, cfg, ctx, run
+        self.phash, self.checkpoints, self.plot = phash, checkpoints, plot
+        self._order: tuple[int, np.ndarray] = (-1, np.zeros(0, np.int64))  # (epoch, its batch order)
+        self.accum = distributed.grad_accumulation(cfg.tokens_per_step, max_tokens, ctx.world)
+        log.info("%d device(s) x %d micro-batch(es) of <= %d tokens per step (train.tokens_per_step = %d); "
+                 "%d train batches per epoch", ctx.world, self.accum, max_tokens, cfg.tokens_per_step,
+                 len(data.train_batches))
+        torch.manual_seed(cfg.seed)  # the same initial weights in every process
+        self.model = Transformer(model_cfg, data.vocab_size).to(ctx.device)
+        self.optimizer = build_optimizer(self.model, cfg)
+        torch.manual_seed(cfg.seed + ctx.rank)  # dropout masks differ between ranks
+        self.progress = self.resume()
+        self.loss_model: nn.Module = SmoothedLoss(self.model, cfg.label_smoothing)
+        if ctx.world > 1:
+            self.loss_model = DistributedDataParallel(self.loss_model, device_ids=[ctx.local_rank] if ctx.cuda else None)
+        self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if ctx.cuda else contextlib.nullcontext()
+        self.valid, left_out = data.valid_share(ctx.rank, ctx.world, model_cfg.max_positions, ctx.device)
+        if left_out:
+            log.warning("%d valid pair(s) longer than model.max_positions = %d are left out of validation",
+                        left_out, model_cfg.max_positions)
+        self.peak, self.fp32_tflops, self.device_name = distributed.peak_flops(ctx) if ctx.is_main else (0.0, 0.0, "")
+        run.log_params({"model": asdict(model_cfg), "train": asdict(cfg), "batch.max_tokens": max_tokens,
+                        "grad_accum": self.accum, "device": self.device_name, "params_hash": phash})
+
+    def resume(self) -> Progress:
+        """Load the newest matching checkpoint (rank 0 picks it; every rank loads it), else start afresh."""
+        if self.checkpoints is None:
+            return Progress()
+        found = ckpt.resume_point(self.checkpoints, self.phash) if self.ctx.is_main else None
+        path = distributed.broadcast_object(found[0] if found else None, self.ctx)
+        if path is None:
+            return Progress()
+        state = found[1] if found else ckpt.load_checkpoint(path)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        ckpt.restore_rng(state["rng"][self.ctx.rank])
+        progress = Progress(**state["progress"])
+        log.info("resuming from step %d (%s)", progress.step, path)
+        self.run.set_tags({"resumed_from_step": progress.step})
+        return progress
+
+    def save(self) -> None:
+        rngs = distributed.gather_objects(ckpt.capture_rng(), self.ctx)
+        if self.ctx.is_main and self.checkpoints is not None:
+            p = self.progress
+            state = {  # weights_only-loadable: see pipeline/checkpoint.py and the average stage
+                "step": p.step, "model": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
+                "model_config": asdict(self.model_cfg), "vocab_size": self.data.vocab_size,
+                "params_hash": self.phash, "optimizer": self.optimizer.state_dict(), "rng": rngs,
+                "data_position": {"epoch": p.epoch, "cursor": p.cursor}, "elapsed_seconds": p.elapsed_seconds,
+                "train_tokens": p.train_tokens, "progress": asdict(p),
+            }
+            log.info("step %d: saved %s", p.step, ckpt.save_checkpoint(self.checkpoints, state, self.cfg.keep_checkpoints))
+
+    def record(self, row: list) -> None:
+        """Append a plot row (step, loss, lr, tokens_per_second, valid_ppl) and rewrite the CSV."""
+        self.progress.plot_rows.append(row)
+        if self.ctx.is_main and self.plot is not None:
+            write_text(self.plot, plot_csv(self.progress.plot_rows))
+
+    def epoch_order(self) -> np.ndarray:
+        """The batch order of the current epoch, moving to the next epoch when this one is used up."""
+        p = self.progress
+        if p.cursor >= len(self.data.train_batches):
+            p.epoch, p.cursor = p.epoch + 1, 0
+        if self._order[0] != p.epoch:
+            self._order = (p.epoch, distributed.epoch_order(len(self.data.train_batches), self.cfg.seed, p.epoch))
+        return self._order[1]
+
+    def step(self, order: np.ndarray) -> tuple[Tensor, int, float]:
+        """Train on the next world x accumulation batches of `order`; (this rank's loss sum, its tokens, lr)."""
+        p, ctx = self.progress, self.ctx
+        step_ids = order[p.cursor : p.cursor + self.accum * ctx.world]
+        p.cursor += len(step_ids)
+        mine, n_micro = distributed.rank_share(step_ids, ctx.rank, ctx.world)
+        micro = self.data.micro_batches(mine, n_micro, int(step_ids[0]), ctx.device)
+        S, T = self.data.lengths(step_ids)
+        lr = self.cfg.lr_factor * lrate(p.step + 1, self.model_cfg.d_model, self.cfg.warmup_steps)
+        faults.inject("step", p.step + 1)  # tests only: TRANSFORMER_FAULT=step@N kills the process here
+        loss_sum = train_step(self.loss_model, self.optimizer, micro, int(T.sum()), lr, ctx, self.autocast)
+        p.step += 1
+        p.train_tokens += int(T.sum())
+        p.flops += flops_lib.training_flops(self.model_cfg, self.data.vocab_size, S, T)
+        trace(ctx, p.step, mine, self.model)
+        return loss_sum, sum(b.tokens for b, real in micro if real), lr
+
+    def validate(self) -> dict[str, float]:
+        """Validation loss and perplexity of the current weights, over all ranks; kept in the progress."""
+        p = self.progress
+        p.valid = validate(self.model, self.valid, self.cfg.label_smoothing, self.ctx, self.autocast)
+        log.info("step %d: valid loss %.4f, nll %.4f, ppl %.2f", p.step, p.valid["valid_loss"],
+                 p.valid["valid_nll"], p.valid["valid_ppl"])
+        self.run.log_metrics(p.valid, step=p.step)
+        return p.valid
+
+    def decide(self, since_save: float) -> tuple[bool, bool]:
+        """(stop, checkpoint now), decided by rank 0 for every rank: clocks differ between processes."""
+        p, cfg = self.progress, self.cfg
+        out_of_time = cfg.max_minutes > 0 and p.elapsed_seconds >= cfg.max_minutes * 60
+        due = (cfg.checkpoint_every > 0 and p.step % cfg.checkpoint_every == 0) or (
+            cfg.checkpoint_minutes > 0 and since_save >= cfg.checkpoint_minutes * 60)
+        stop, due = distributed.broadcast_flags([p.step >= cfg.max_steps or out_of_time, due], self.ctx)
+        return stop, due
+
+    def fit(self) -> dict:
+        """Step until max_steps or max_minutes; evaluate, log and checkpoint on the way; return the metrics."""
+        p, cfg, ctx = self.progress, self.cfg, self.ctx
+        if ctx.is_main and self.plot is not None:
+            write_text(self.plot, plot_csv(p.plot_rows))  # on resume: the rows up to the checkpoint, no more
+        interval = torch.zeros(2, dtype=torch.float64, device=ctx.device)  # loss sum, tokens since the last row
+        interval_seconds, interval_tokens, saved_at = 0.0, 0, p.step
+        start, last_save = time.monotonic() - p.elapsed_seconds, time.monotonic()
+        bar = progress_bar(cfg, p, ctx.is_main)
+        stop, _ = self.decide(0.0)
+        while not stop:
+            t0 = time.perf_counter()
+            order = self.epoch_order()
+            tokens_before = p.train_tokens
+            loss_sum, my_tokens, lr = self.step(order)
+            interval[0] += loss_sum
+            interval[1] += my_tokens
+            seconds = time.perf_counter() - t0
+            p.step_seconds += seconds
+            interval_seconds, interval_tokens = interval_seconds + seconds, interval_tokens + p.train_tokens - tokens_before
+            p.elapsed_seconds = time.monotonic() - start
+            bar.update(min(p.elapsed_seconds, cfg.max_minutes * 60) - bar.n if cfg.max_minutes > 0 else 1)
+            stop, due_save = self.decide(time.monotonic() - last_save)
+            evaluated = stop or (cfg.eval_every > 0 and p.step % cfg.eval_every == 0)
+            if evaluated:
+                faults.inject("validation", p.step)  # tests only: TRANSFORMER_FAULT=validation@N kills the process here
+                self.validate()
+            if evaluated or p.step % max(cfg.log_every, 1) == 0:
+                loss, tokens = distributed.all_sum(interval, ctx).tolist()
+                row_loss, tok_s = (loss / tokens if tokens else None), interval_tokens / interval_seconds
+                self.record([p.step, row_loss, lr, tok_s, p.valid["valid_ppl"] if evaluated else None])
+                bar.set_postfix(step=p.step, loss=f"{row_loss:.3f}" if row_loss else "-", lr=f"{lr:.2e}", tok_s=f"{tok_s:.0f}")
+                log.info("step %d | epoch %d | loss %.4f | lr %.3e | %.0f tok/s", p.step, p.epoch,
+                         row_loss or float("nan"), lr, tok_s)
+                self.run.log_metrics({"loss": row_loss or float("nan"), "lr": lr, "interval_tokens_per_second": tok_s},
+                                     step=p.step)
+                interval.zero_()
+                interval_seconds, interval_tokens = 0.0, 0
+            if due_save or stop:
+                self.save()
+                saved_at, last_save = p.step, time.monotonic()
+            p.elapsed_seconds = time.monotonic() - start
+        bar.close()
+        if not p.valid:  # resumed at max_steps from a checkpoint written before any evaluation
+            self.validate()
+        if saved_at != p.step:
+            self.save()
+        return self.metrics()
+
+    def metrics(self) -> dict:
+        """metrics/train.json: flat, the DVC record of the run."""
+        p, world = self.progress, self.ctx.world
+        hours = p.elapsed_seconds / 3600
+        return {
+            "steps": p.step,
+            "epochs": p.epoch + p.cursor / max(len(self.data.train_batches), 1),
+            "train_tokens": p.train_tokens,  # real target tokens trained on
+            "train_hours": hours,
+            "step_seconds": p.step_seconds,
+            "flops_analytic": p.flops,
+            "flops_paper_estimate": flops_lib.paper_estimate_flops(hours, world, self.fp32_tflops),
+            "mfu": flops_lib.mfu(p.flops, p.step_seconds, world, self.peak) if p.step_seconds and self.peak else 0.0,
+            "peak_flops": self.peak,
+            "tokens_per_second": p.train_tokens / p.step_seconds if p.step_seconds else 0.0,
+            "device": self.device_name,
+            "devices": world,
+            "grad_accum": self.accum,
+            "params_hash": self.phash,
+            **p.valid,
+        }
