@@ -44,7 +44,7 @@ import numpy as np
 import yaml
 
 from stages.batch import make_batches, model_lengths, padding_stats
-from pipeline.formats import Batches
+from pipeline.formats import Ragged
 
 ROOT = Path(__file__).resolve().parent.parent
 MULTI30K = "raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw"
@@ -120,7 +120,7 @@ def run_stage(args: list[str]) -> tuple[float, float, float]:
     return time.perf_counter() - start, cpu, usage.ru_maxrss / 2**20  # ru_maxrss is in KiB on Linux
 
 
-def naive_batches(S: np.ndarray, T: np.ndarray, max_tokens: int) -> Batches:
+def naive_batches(S: np.ndarray, T: np.ndarray, max_tokens: int) -> Ragged:
     """The baseline: sort by (target, source) length, then fill each batch as far as it fits."""
     index = np.lexsort((S, T))
     bounds, i = [0], 0
@@ -131,7 +131,7 @@ def naive_batches(S: np.ndarray, T: np.ndarray, max_tokens: int) -> Batches:
         fits = n * longest <= max_tokens
         i += len(window) if fits.all() else int(np.argmin(fits))
         bounds.append(i)
-    return Batches(index, np.asarray(bounds))
+    return Ragged(index, np.asarray(bounds))
 
 
 def multi30k_efficiency(mirror: Path, work: Path) -> None:

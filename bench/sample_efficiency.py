@@ -4,7 +4,7 @@
     python -m bench.sample_efficiency [OVERRIDE ...] [--million-tokens 1.5] [--every 0.25] [--init xavier]
 
 OVERRIDEs are Hydra overrides of conf/, as `dvc exp run -S` takes them, e.g.
-`batch.max_tokens=2500 train.warmup_steps=400`. Batches the tokenized corpus with
+`batch.max_tokens=2500 train.warmup_steps=400`. Ragged the tokenized corpus with
 the batch stage (into a temporary directory), trains the composed model with the
 train stage's Trainer (pipeline/trainer.py: same loss, schedule, optimizer and
 accumulation), and prints the valid perplexity every `--every` million real

@@ -47,7 +47,7 @@ from model.loss import SmoothedLoss
 from model.transformer import Transformer, sinusoidal_encoding
 from pipeline import config, distributed
 from pipeline.config import TrainConfig
-from pipeline.formats import PAD_ID, EncodedSplit
+from pipeline.formats import PAD_ID, Ragged
 from pipeline.loader import Batch, collate
 from pipeline.trainer import build_optimizer, train_step
 from stages.batch import make_batches
@@ -56,7 +56,7 @@ VOCAB = 8000
 MAX_TOKENS = 2500
 
 
-def synthetic_corpus(pairs: int, seed: int = 0) -> tuple[EncodedSplit, EncodedSplit]:
+def synthetic_corpus(pairs: int, seed: int = 0) -> tuple[Ragged, Ragged]:
     """Random token ids with Multi30k-like lengths: source ~ N(14, 5), target ~ 1.04 x source + N(0, 2.5).
 
     The target length follows the source's as in real translation pairs
@@ -69,7 +69,7 @@ def synthetic_corpus(pairs: int, seed: int = 0) -> tuple[EncodedSplit, EncodedSp
     out = []
     for lengths in (S, T):
         offsets = np.concatenate([[0], np.cumsum(lengths)])
-        out.append(EncodedSplit(rng.integers(4, VOCAB, size=int(offsets[-1])).astype(np.uint16), offsets))
+        out.append(Ragged(rng.integers(4, VOCAB, size=int(offsets[-1])).astype(np.uint16), offsets))
     return out[0], out[1]
 
 

@@ -21,3 +21,10 @@ def stage_parser(doc: str, *paths: str) -> argparse.ArgumentParser:
 
 def setup_logging(level: int = logging.INFO) -> None:
     logging.basicConfig(level=level, format=LOG_FORMAT)
+
+
+def start(doc: str, argv: list[str] | None, *paths: str) -> argparse.Namespace:
+    """What a stage's main() begins with: parse its path arguments (see stage_parser), then log with timestamps."""
+    args = stage_parser(doc, *paths).parse_args(argv)
+    setup_logging()
+    return args

@@ -33,17 +33,21 @@ OFFSET_DTYPE = np.dtype("<i8")
 
 
 @dataclass(frozen=True)
-class EncodedSplit:
-    """One side of one split: sentence i is ids[offsets[i]:offsets[i + 1]]."""
+class Ragged:
+    """A ragged array: row i is values[offsets[i]:offsets[i + 1]].
 
-    ids: np.ndarray
+    An encoded split (rows: sentences, values: token ids) or a split's batches
+    (rows: batches, values: example indices), as stored on disk.
+    """
+
+    values: np.ndarray
     offsets: np.ndarray
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
 
     def __getitem__(self, i: int) -> np.ndarray:
-        return self.ids[self.offsets[i] : self.offsets[i + 1]]
+        return self.values[self.offsets[i] : self.offsets[i + 1]]
 
     @property
     def lengths(self) -> np.ndarray:
@@ -55,7 +59,7 @@ def split_paths(directory: str | Path, split: str, lang: str) -> tuple[Path, Pat
     return directory / f"{split}.{lang}.ids", directory / f"{split}.{lang}.offsets"
 
 
-def load_split(directory: str | Path, split: str, lang: str) -> EncodedSplit:
+def load_split(directory: str | Path, split: str, lang: str) -> Ragged:
     """Memory-map one encoded split written by stages.tokenize."""
     ids_path, offsets_path = split_paths(directory, split, lang)
     for p in (ids_path, offsets_path):
@@ -65,7 +69,7 @@ def load_split(directory: str | Path, split: str, lang: str) -> EncodedSplit:
     offsets = np.fromfile(offsets_path, dtype=OFFSET_DTYPE)
     if len(offsets) == 0 or offsets[0] != 0 or offsets[-1] != len(ids) or np.any(np.diff(offsets) < 0):
         raise ValueError(f"{offsets_path}: offsets do not describe {ids_path} ({len(ids)} ids)")
-    return EncodedSplit(ids, offsets)
+    return Ragged(ids, offsets)
 
 
 def read_meta(directory: str | Path) -> dict:
@@ -87,26 +91,12 @@ def load_spm(directory: str | Path, vocab_size: int) -> spm.SentencePieceProcess
     return sp
 
 
-@dataclass(frozen=True)
-class Batches:
-    """Length-bucketed batches of one split: batch b holds examples index[bounds[b]:bounds[b+1]]."""
-
-    index: np.ndarray
-    bounds: np.ndarray
-
-    def __len__(self) -> int:
-        return len(self.bounds) - 1
-
-    def __getitem__(self, b: int) -> np.ndarray:
-        return self.index[self.bounds[b] : self.bounds[b + 1]]
-
-
 def batch_paths(directory: str | Path, split: str) -> tuple[Path, Path]:
     directory = Path(directory)
     return directory / f"{split}.index.npy", directory / f"{split}.bounds.npy"
 
 
-def load_batches(directory: str | Path, split: str) -> Batches:
+def load_batches(directory: str | Path, split: str) -> Ragged:
     """Memory-map the batches of one split written by stages.batch."""
     index_path, bounds_path = batch_paths(directory, split)
     for p in (index_path, bounds_path):
@@ -116,4 +106,4 @@ def load_batches(directory: str | Path, split: str) -> Batches:
     bounds = np.load(bounds_path, allow_pickle=False)
     if len(bounds) == 0 or bounds[0] != 0 or bounds[-1] != len(index):
         raise ValueError(f"{bounds_path}: bounds do not describe {index_path}")
-    return Batches(index, bounds)
+    return Ragged(index, bounds)

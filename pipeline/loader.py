@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from pipeline.formats import BOS_ID, EOS_ID, PAD_ID, Batches, EncodedSplit, load_batches, load_split, read_meta
+from pipeline.formats import BOS_ID, EOS_ID, PAD_ID, Ragged, load_batches, load_split, read_meta
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ class Batch:
     tokens: int  # real target tokens: labels != PAD_ID
 
 
-def pad_rows(split: EncodedSplit, rows: np.ndarray, bos: bool, eos: bool) -> np.ndarray:
+def pad_rows(split: Ragged, rows: np.ndarray, bos: bool, eos: bool) -> np.ndarray:
     """Sentences `rows` of `split` as one int64 [B, L] array, optionally framed by BOS/EOS, right-padded."""
     starts = split.offsets[rows]
     lengths = split.offsets[rows + 1] - starts
@@ -37,7 +37,7 @@ def pad_rows(split: EncodedSplit, rows: np.ndarray, bos: bool, eos: bool) -> np.
     out = np.full((len(rows), longest + bos + eos), PAD_ID, dtype=np.int64)
     cols = np.arange(longest)
     real = cols < lengths[:, None]  # [B, longest]
-    out[:, int(bos) : int(bos) + longest][real] = split.ids[(starts[:, None] + cols)[real]]
+    out[:, int(bos) : int(bos) + longest][real] = split.values[(starts[:, None] + cols)[real]]
     if bos:
         out[:, 0] = BOS_ID
     if eos:
@@ -45,7 +45,7 @@ def pad_rows(split: EncodedSplit, rows: np.ndarray, bos: bool, eos: bool) -> np.
     return out
 
 
-def collate(src: EncodedSplit, tgt: EncodedSplit, rows: np.ndarray, device: torch.device) -> Batch:
+def collate(src: Ragged, tgt: Ragged, rows: np.ndarray, device: torch.device) -> Batch:
     """Tensors of the sentence pairs `rows`, on `device`."""
     rows = np.asarray(rows, dtype=np.int64)
     arrays = (pad_rows(src, rows, False, True), pad_rows(tgt, rows, True, False), pad_rows(tgt, rows, False, True))
@@ -59,12 +59,12 @@ class TrainingData:
     """The train and valid splits and their stored batches."""
 
     vocab_size: int
-    train_src: EncodedSplit
-    train_tgt: EncodedSplit
-    valid_src: EncodedSplit
-    valid_tgt: EncodedSplit
-    train_batches: Batches
-    valid_batches: Batches
+    train_src: Ragged
+    train_tgt: Ragged
+    valid_src: Ragged
+    valid_tgt: Ragged
+    train_batches: Ragged
+    valid_batches: Ragged
 
     @staticmethod
     def load(tokenized: Path, batches: Path) -> TrainingData:

@@ -94,9 +94,7 @@ def average_checkpoints(paths: list[Path]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = cli.stage_parser(__doc__, "checkpoints", "out")
-    args = parser.parse_args(argv)
-    cli.setup_logging()
+    args = cli.start(__doc__, argv, "checkpoints", "out")
     cfg = config.load(args.params, "average", AverageConfig)
     if cfg.last_n < 1:
         raise ParamsError(f"{args.params}: average.last_n = {cfg.last_n}: expected at least 1")

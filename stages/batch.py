@@ -2,7 +2,7 @@
 
     python -m stages.batch --tokenized data/tokenized --out data/batches --metrics metrics/batch.json [--params params.yaml]
 
-Reads params `batch` (BatchConfig). Batches the train and valid splits (test is
+Reads params `batch` (BatchConfig). Ragged the train and valid splits (test is
 decoded by the translate stage with its own batching). Sec. 5.1: "Sentence pairs
 were batched together by approximate sequence length"; a batch of n pairs is
 padded to n x (longest source) and n x (longest target) tokens, and both must be
@@ -50,7 +50,7 @@ import numpy as np
 
 from pipeline import cli, config
 from pipeline.config import BatchConfig
-from pipeline.formats import BATCHED_SPLITS, Batches, batch_paths, load_split, read_meta
+from pipeline.formats import BATCHED_SPLITS, Ragged, batch_paths, load_split, read_meta
 from pipeline.files import atomic_dir, write_json
 
 log = logging.getLogger(__name__)
@@ -98,21 +98,21 @@ def fill(L: np.ndarray, max_tokens: int) -> np.ndarray:
     return np.asarray(bounds, dtype=np.int64)
 
 
-def make_batches(S: np.ndarray, T: np.ndarray, max_tokens: int, seed: int, split: str = "train") -> Batches:
+def make_batches(S: np.ndarray, T: np.ndarray, max_tokens: int, seed: int, split: str = "train") -> Ragged:
     """Length-bucketed batches with n x max(S) <= max_tokens and n x max(T) <= max_tokens each."""
     check_fits(S, T, max_tokens, split)
     index = order_by_length(S, T, seed)
-    return Batches(index.astype(np.int64), fill(np.maximum(S, T)[index], max_tokens))
+    return Ragged(index.astype(np.int64), fill(np.maximum(S, T)[index], max_tokens))
 
 
-def padding_stats(S: np.ndarray, T: np.ndarray, batches: Batches) -> dict[str, float]:
+def padding_stats(S: np.ndarray, T: np.ndarray, batches: Ragged) -> dict[str, float]:
     """Real / padded tokens (both sides and each), and real tokens per batch, of one split."""
-    starts, n = batches.bounds[:-1], np.diff(batches.bounds)
+    starts, n = batches.offsets[:-1], np.diff(batches.offsets)
     if len(n) == 0:
         return {}
     stats: dict[str, float] = {}
     real, padded = 0, 0
-    for side, lengths in (("src", S[batches.index]), ("tgt", T[batches.index])):
+    for side, lengths in (("src", S[batches.values]), ("tgt", T[batches.values])):
         side_real, per_batch = int(lengths.sum()), np.add.reduceat(lengths, starts)
         side_padded = int((n * np.maximum.reduceat(lengths, starts)).sum())
         stats[f"{side}_padding_efficiency"] = side_real / side_padded
@@ -126,9 +126,7 @@ def padding_stats(S: np.ndarray, T: np.ndarray, batches: Batches) -> dict[str, f
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = cli.stage_parser(__doc__, "tokenized", "out", "metrics")
-    args = parser.parse_args(argv)
-    cli.setup_logging()
+    args = cli.start(__doc__, argv, "tokenized", "out", "metrics")
     cfg = config.load(args.params, "batch", BatchConfig)
     metrics: dict[str, float] = {"max_tokens": cfg.max_tokens}
     with atomic_dir(args.out) as tmp:
@@ -136,8 +134,8 @@ def main(argv: list[str] | None = None) -> None:
             S, T = model_lengths(args.tokenized, split)
             batches = make_batches(S, T, cfg.max_tokens, cfg.seed, split)
             index_path, bounds_path = batch_paths(tmp, split)
-            np.save(index_path, batches.index)
-            np.save(bounds_path, batches.bounds)
+            np.save(index_path, batches.values)
+            np.save(bounds_path, batches.offsets)
             stats = padding_stats(S, T, batches)  # empty for an empty split
             log.info("%s: %d pairs in %d batches, padding efficiency %s", split, len(S), len(batches),
                      stats.get("padding_efficiency"))

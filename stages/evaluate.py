@@ -135,9 +135,7 @@ def score_splits(translations: Path, raw: Path, lang: str, tokenize: str) -> dic
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = cli.stage_parser(__doc__, "translations", "raw", "metrics")
-    args = parser.parse_args(argv)
-    cli.setup_logging()
+    args = cli.start(__doc__, argv, "translations", "raw", "metrics")
     cfg = config.load(args.params, "evaluate", EvaluateConfig)
     lang = config.load(args.params, "data", DataConfig).tgt_lang
     with tracking.stage_run("evaluate", args.params) as run:

@@ -254,9 +254,7 @@ def tokenize(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = cli.stage_parser(__doc__, "raw", "out", "metrics")
-    args = parser.parse_args(argv)
-    cli.setup_logging()
+    args = cli.start(__doc__, argv, "raw", "out", "metrics")
     data = config.load(args.params, "data", DataConfig)
     cfg = config.load(args.params, "tokenize", TokenizeConfig)
     check_config(cfg, args.params)

@@ -130,24 +130,17 @@ def test_a_source_in_another_language_is_refused_naming_file_and_key(tmp_path):
     assert nothing_written(tmp_path, "raw", "raw.json")
 
 
-def test_a_segment_without_an_id_is_refused_naming_file_and_line(tmp_path):
-    no_id = REF_SGM.replace(b'<seg id="2">', b"<seg>")
-    with pytest.raises(download.DownloadError, match=r"test\.ref\.sgm: line 4: expected <seg id=N>text</seg>"):
-        run_download(tmp_path, {"test.ref.sgm": no_id})
-    assert nothing_written(tmp_path, "raw", "raw.json")
-
-
-def test_a_segment_split_over_two_lines_is_refused_naming_file_and_line(tmp_path):
-    split = SRC_SGM.replace(b'<seg id="1">A first line.</seg>', b'<seg id="1">A first\nline.</seg>')
-    with pytest.raises(download.DownloadError, match=r"test\.src\.sgm: line 3: expected <seg id=N>text</seg> on one"):
-        run_download(tmp_path, {"test.src.sgm": split})
-    assert nothing_written(tmp_path, "raw", "raw.json")
-
-
-def test_a_segment_id_given_twice_is_refused_naming_it(tmp_path):
-    twice = REF_SGM.replace(b'<seg id="2">', b'<seg id="1">')
-    with pytest.raises(download.DownloadError, match=r"test\.ref\.sgm: segment docid='d1' segid=1 appears twice"):
-        run_download(tmp_path, {"test.ref.sgm": twice})
+@pytest.mark.parametrize("file, old, new, message", [
+    ("test.ref.sgm", b'<seg id="2">', b"<seg>", r"test\.ref\.sgm: line 4: expected <seg id=N>text</seg>"),  # no id
+    ("test.src.sgm", b'<seg id="1">A first line.</seg>', b'<seg id="1">A first\nline.</seg>',  # over two lines
+     r"test\.src\.sgm: line 3: expected <seg id=N>text</seg> on one"),
+    ("test.ref.sgm", b'<seg id="2">', b'<seg id="1">', r"test\.ref\.sgm: segment docid='d1' segid=1 appears twice"),
+])
+def test_a_malformed_segment_is_refused_naming_file_and_line(tmp_path, file, old, new, message):
+    broken = (REF_SGM if file == "test.ref.sgm" else SRC_SGM).replace(old, new)
+    assert broken != (REF_SGM if file == "test.ref.sgm" else SRC_SGM)
+    with pytest.raises(download.DownloadError, match=message):
+        run_download(tmp_path, {file: broken})
     assert nothing_written(tmp_path, "raw", "raw.json")
 
 

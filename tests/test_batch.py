@@ -11,7 +11,7 @@ import yaml
 
 from stages import batch
 from stages.batch import fill, make_batches, padding_stats
-from pipeline.formats import ID_DTYPE, OFFSET_DTYPE, Batches, load_batches, split_paths
+from pipeline.formats import ID_DTYPE, OFFSET_DTYPE, Ragged, load_batches, split_paths
 
 
 def random_lengths(rng: np.random.Generator, n: int, kind: str) -> tuple[np.ndarray, np.ndarray]:
@@ -26,14 +26,14 @@ def random_lengths(rng: np.random.Generator, n: int, kind: str) -> tuple[np.ndar
     return S + 1, T + 1
 
 
-def assert_valid_batches(S: np.ndarray, T: np.ndarray, batches: Batches, max_tokens: int) -> None:
+def assert_valid_batches(S: np.ndarray, T: np.ndarray, batches: Ragged, max_tokens: int) -> None:
     """Each pair exactly once; n x max(S) and n x max(T) within max_tokens in every batch."""
-    assert np.array_equal(np.sort(batches.index), np.arange(len(S)))
-    n = np.diff(batches.bounds)
+    assert np.array_equal(np.sort(batches.values), np.arange(len(S)))
+    n = np.diff(batches.offsets)
     assert (n >= 1).all()
-    starts = batches.bounds[:-1]
-    assert (n * np.maximum.reduceat(S[batches.index], starts) <= max_tokens).all()
-    assert (n * np.maximum.reduceat(T[batches.index], starts) <= max_tokens).all()
+    starts = batches.offsets[:-1]
+    assert (n * np.maximum.reduceat(S[batches.values], starts) <= max_tokens).all()
+    assert (n * np.maximum.reduceat(T[batches.values], starts) <= max_tokens).all()
 
 
 @pytest.mark.parametrize("kind", ["uniform", "correlated", "ties"])
@@ -48,25 +48,25 @@ def test_every_batch_fits_and_every_pair_appears_once(kind, seed):
 def test_batches_are_as_full_as_the_order_allows():
     S, T = random_lengths(np.random.default_rng(3), 3000, "correlated")
     batches = make_batches(S, T, 1000, seed=0)
-    L = np.maximum(S, T)[batches.index]
+    L = np.maximum(S, T)[batches.values]
     assert (np.diff(L) >= 0).all(), "the order never shortens the longer side"
     # No batch could take the first pair of the next one: greedy filling gives the fewest batches.
-    n, nxt = np.diff(batches.bounds)[:-1], batches.bounds[1:-1]
+    n, nxt = np.diff(batches.offsets)[:-1], batches.offsets[1:-1]
     assert ((n + 1) * L[nxt] > 1000).all()
 
 
 def test_batching_is_deterministic_and_the_seed_only_breaks_ties():
     S, T = random_lengths(np.random.default_rng(4), 2000, "ties")
     a, b, c = make_batches(S, T, 600, seed=1), make_batches(S, T, 600, seed=1), make_batches(S, T, 600, seed=2)
-    assert np.array_equal(a.index, b.index) and np.array_equal(a.bounds, b.bounds)
-    assert not np.array_equal(a.index, c.index)
-    assert np.array_equal(a.bounds, c.bounds)
+    assert np.array_equal(a.values, b.values) and np.array_equal(a.offsets, b.offsets)
+    assert not np.array_equal(a.values, c.values)
+    assert np.array_equal(a.offsets, c.offsets)
     assert padding_stats(S, T, a) == padding_stats(S, T, c)
 
 
 def test_padding_efficiency_on_a_hand_example():
     S, T = np.array([2, 3, 4]), np.array([3, 3, 5])
-    stats = padding_stats(S, T, Batches(np.array([1, 0, 2]), np.array([0, 2, 3])))
+    stats = padding_stats(S, T, Ragged(np.array([1, 0, 2]), np.array([0, 2, 3])))
     # Batch [1, 0]: 2 x 3 source + 2 x 3 target padded; batch [2]: 4 + 5. Real: 9 source, 11 target.
     assert stats["src_padding_efficiency"] == pytest.approx(9 / 10)
     assert stats["tgt_padding_efficiency"] == pytest.approx(11 / 11)
@@ -93,7 +93,7 @@ def test_pairs_of_similar_shape_share_batches():
                 break
             n, longest = n + 1, max(longest, S[i], T[i])
         bounds.append(bounds[-1] + n)
-    naive = padding_stats(S, T, Batches(order, np.array(bounds)))["padding_efficiency"]
+    naive = padding_stats(S, T, Ragged(order, np.array(bounds)))["padding_efficiency"]
     assert ours > naive + 0.05, (ours, naive)  # measured: 0.935 vs 0.857
 
 

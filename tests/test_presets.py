@@ -4,29 +4,21 @@ import pytest
 
 from pipeline.config import compose
 
-# Sec. 3, Table 3 (base, big); Sec. 5.1-5.4; Sec. 6.1.
+def paper(n_heads: int, d_model: int, dropout: float, steps: int, last_n: int, tgt_lang: str, tokenize: dict) -> dict:
+    """One preset's values from the paper (Sec. 3, Table 3 base and big; Sec. 5.1-5.4; Sec. 6.1): N = 6, d_k = d_v = 64, d_ff = 4 d_model, warmup 4000, eps_ls 0.1."""
+    return {
+        "model": dict(n_layers=6, d_model=d_model, d_ff=4 * d_model, n_heads=n_heads, d_k=64, d_v=64, dropout=dropout),
+        "train": dict(max_steps=steps, warmup_steps=4000, label_smoothing=0.1, checkpoint_minutes=10),
+        "average": dict(last_n=last_n),
+        "data": dict(src_lang="en", tgt_lang=tgt_lang),
+        "tokenize": tokenize,
+    }
+
+
 PAPER = {
-    "wmt14_en_de_base": {
-        "model": dict(n_layers=6, d_model=512, d_ff=2048, n_heads=8, d_k=64, d_v=64, dropout=0.1),
-        "train": dict(max_steps=100_000, warmup_steps=4000, label_smoothing=0.1, checkpoint_minutes=10),
-        "average": dict(last_n=5),
-        "data": dict(src_lang="en", tgt_lang="de"),
-        "tokenize": dict(model_type="bpe", vocab_size=37000),
-    },
-    "wmt14_en_de_big": {
-        "model": dict(n_layers=6, d_model=1024, d_ff=4096, n_heads=16, d_k=64, d_v=64, dropout=0.3),
-        "train": dict(max_steps=300_000, warmup_steps=4000, label_smoothing=0.1, checkpoint_minutes=10),
-        "average": dict(last_n=20),
-        "data": dict(src_lang="en", tgt_lang="de"),
-        "tokenize": dict(model_type="bpe", vocab_size=37000),
-    },
-    "wmt14_en_fr_big": {
-        "model": dict(n_layers=6, d_model=1024, d_ff=4096, n_heads=16, d_k=64, d_v=64, dropout=0.1),
-        "train": dict(max_steps=300_000, warmup_steps=4000, label_smoothing=0.1, checkpoint_minutes=10),
-        "average": dict(last_n=20),
-        "data": dict(src_lang="en", tgt_lang="fr"),
-        "tokenize": dict(vocab_size=32000),
-    },
+    "wmt14_en_de_base": paper(8, 512, 0.1, 100_000, 5, "de", dict(model_type="bpe", vocab_size=37000)),
+    "wmt14_en_de_big": paper(16, 1024, 0.3, 300_000, 20, "de", dict(model_type="bpe", vocab_size=37000)),
+    "wmt14_en_fr_big": paper(16, 1024, 0.1, 300_000, 20, "fr", dict(vocab_size=32000)),
 }
 COMMON = {
     "train": dict(adam_beta1=0.9, adam_beta2=0.98, adam_eps=1e-9, lr_factor=1.0, max_minutes=0.0),

@@ -75,8 +75,8 @@ def test_ids_round_trip_to_the_raw_text_through_load_split(tmp_path, corpus):
         for side, lang in enumerate(("en", "de")):
             assert decode_split(out, split, lang) == [p[side] for p in corpus[split]]
             encoded = load_split(out, split, lang)
-            assert encoded.ids.dtype == np.dtype("<u2") and encoded.offsets.dtype == np.dtype("<i8")
-            assert metrics[f"{split}_{'src' if side == 0 else 'tgt'}_tokens"] == len(encoded.ids)
+            assert encoded.values.dtype == np.dtype("<u2") and encoded.offsets.dtype == np.dtype("<i8")
+            assert metrics[f"{split}_{'src' if side == 0 else 'tgt'}_tokens"] == len(encoded.values)
     assert metrics["vocab_size"] == 120 and metrics["train_pairs"] == 400
 
 
@@ -88,7 +88,7 @@ def test_one_vocabulary_covers_both_languages(tmp_path, corpus):
     # Characters seen only in German (ä, ß, ü) and only in English (h of "the") are both in the one model.
     for word in ("straße", "läuft", "grün", "the"):
         assert UNK_ID not in sp.encode(word)
-    train_ids = {lang: set(load_split(out, "train", lang).ids.tolist()) for lang in ("en", "de")}
+    train_ids = {lang: set(load_split(out, "train", lang).values.tolist()) for lang in ("en", "de")}
     assert train_ids["en"] & train_ids["de"], "the languages share pieces (punctuation, the capital letters)"
     assert train_ids["en"] ^ train_ids["de"], "and each has pieces of its own, in the same id space"
     assert metrics["train_unk_rate"] == 0

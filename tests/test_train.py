@@ -214,8 +214,8 @@ def test_metrics_and_plot_describe_the_run(tmp_path):
     # the batch order (5 steps x 2 batches, the 10 batches of one epoch) covers each batch once.
     b = load_batches(batches, "train")
     assert len(b) == 10 and metrics["grad_accum"] == 2
-    S = np.diff(load_split(tokenized, "train", "en").offsets)[b.index] + 1
-    T = np.diff(load_split(tokenized, "train", "de").offsets)[b.index] + 1
+    S = np.diff(load_split(tokenized, "train", "en").offsets)[b.values] + 1
+    T = np.diff(load_split(tokenized, "train", "de").offsets)[b.values] + 1
     assert metrics["flops_analytic"] == pytest.approx(flops_lib.training_flops(ModelConfig(**MODEL), VOCAB, S, T))
     assert metrics["train_tokens"] == int(T.sum())
     assert 0 < metrics["mfu"] <= 1

@@ -41,7 +41,7 @@ def write_split(directory: Path, split: str, sentences: list[np.ndarray], lang: 
 
 
 def bucket(src_lens: np.ndarray, tgt_lens: np.ndarray, max_tokens: int) -> tuple[np.ndarray, np.ndarray]:
-    """Batches by length: pairs sorted by longest side (+ EOS/BOS), cut where n x longest would exceed max_tokens."""
+    """Ragged by length: pairs sorted by longest side (+ EOS/BOS), cut where n x longest would exceed max_tokens."""
     L = np.maximum(src_lens, tgt_lens) + 1
     index = np.argsort(L, kind="stable")
     bounds, n = [0], 0

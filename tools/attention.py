@@ -27,7 +27,7 @@ from model.transformer import Transformer
 from pipeline import cli, config
 from pipeline.config import TranslateConfig
 from pipeline.checkpoint import load_model
-from pipeline.formats import BOS_ID, EOS_ID, EncodedSplit, load_spm, load_split, read_meta
+from pipeline.formats import BOS_ID, EOS_ID, Ragged, load_spm, load_split, read_meta
 from pipeline.files import atomic_dir, write_bytes
 from stages.translate import check_config, translate_ids
 
@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 READABLE = (5, 30)  # source lengths in pieces that make a legible picture
 
 
-def pick_sentences(sources: EncodedSplit, n: int) -> list[int]:
+def pick_sentences(sources: Ragged, n: int) -> list[int]:
     """The first n sentences of readable length, topped up with the first others if too few are."""
     lengths = sources.lengths
     readable = [i for i in range(len(sources)) if READABLE[0] <= lengths[i] <= READABLE[1]][:n]
