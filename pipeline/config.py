@@ -91,7 +91,7 @@ class TrainConfig:
     devices: int  # torchrun processes (GPUs, or CPU processes)
     tokens_per_step: int  # target tokens per optimizer step; sets gradient accumulation
     max_steps: int
-    max_minutes: float  # wall-clock budget; 0 = none. Training stops at whichever comes first
+    max_minutes: float  # wall-clock safety stop, 0 = none; recorded as metrics stopped_by = "max_minutes" when it fires
     warmup_steps: int
     lr_factor: float  # multiplies the paper's schedule (1.0 = the paper)
     adam_beta1: float

@@ -10,8 +10,10 @@ next world x accumulation batches of it and rank r the r-th of every world. The
 loss is summed over real target tokens and divided by the step's real target
 tokens over all ranks and micro-batches, so the update is that of one big batch.
 
-Stops at train.max_steps or after train.max_minutes of training (across
-resumes), whichever comes first: rank 0's clock decides for every rank.
+Stops at train.max_steps: the budget, so the same params give the same
+weights on any machine. train.max_minutes (across resumes) is only a safety
+stop: rank 0's clock decides for every rank, and metrics/train.json records
+stopped_by = "max_minutes" when it fired (else "max_steps").
 Checkpoints (pipeline/checkpoint.py) every checkpoint_every steps and/or
 checkpoint_minutes, and at the end; on start the newest complete checkpoint
 with the same params_hash is resumed exactly (weights, Adam, RNGs, data
@@ -150,15 +152,6 @@ def trace(ctx: Dist, step: int, batch_ids: list[int], model: nn.Module) -> None:
             f.write(json.dumps({"step": step, "batches": batch_ids, "checksum": checksum}) + "\n")
 
 
-def progress_bar(cfg: TrainConfig, p: Progress, show: bool) -> tqdm:
-    """Steps out of max_steps, or, under a wall-clock budget (max_minutes), seconds out of that budget."""
-    if cfg.max_minutes > 0:
-        total = cfg.max_minutes * 60
-        return tqdm(total=total, initial=min(p.elapsed_seconds, total), disable=not show, unit="s",
-                    dynamic_ncols=True, bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} s [{elapsed}<{remaining}{postfix}]")
-    return tqdm(total=cfg.max_steps, initial=p.step, disable=not show, unit="step", dynamic_ncols=True)
-
-
 class Trainer:
     """One training run, fresh or resumed: model, Adam, data position and counters; rank 0 writes.
 
@@ -170,6 +163,7 @@ class Trainer:
         self.data, self.model_cfg, self.cfg, self.ctx, self.run = data, model_cfg, cfg, ctx, run
         self.phash, self.checkpoints, self.plot = phash, checkpoints, plot
         self._order: tuple[int, np.ndarray] = (-1, np.zeros(0, np.int64))  # (epoch, its batch order)
+        self.stopped_by_time = False
         self.accum = distributed.grad_accumulation(cfg.tokens_per_step, max_tokens, ctx.world)
         log.info("%d device(s) x %d micro-batch(es) of <= %d tokens per step (train.tokens_per_step = %d); "
                  "%d train batches per epoch", ctx.world, self.accum, max_tokens, cfg.tokens_per_step,
@@ -268,18 +262,23 @@ class Trainer:
         out_of_time = cfg.max_minutes > 0 and p.elapsed_seconds >= cfg.max_minutes * 60
         due = (cfg.checkpoint_every > 0 and p.step % cfg.checkpoint_every == 0) or (
             cfg.checkpoint_minutes > 0 and since_save >= cfg.checkpoint_minutes * 60)
-        stop, due = distributed.broadcast_flags([p.step >= cfg.max_steps or out_of_time, due], self.ctx)
-        return stop, due
+        done, out_of_time, due = distributed.broadcast_flags([p.step >= cfg.max_steps, out_of_time, due], self.ctx)
+        if out_of_time and not done:
+            if not self.stopped_by_time:
+                log.warning("step %d: train.max_minutes = %g reached before train.max_steps = %d; stopping (safety stop: "
+                            "this run's result depends on the machine's speed)", p.step, cfg.max_minutes, cfg.max_steps)
+            self.stopped_by_time = True
+        return done or out_of_time, due
 
     def fit(self) -> dict:
-        """Step until max_steps or max_minutes; evaluate, log and checkpoint on the way; return the metrics."""
+        """Step until max_steps (or the max_minutes safety stop); evaluate, log and checkpoint on the way; return the metrics."""
         p, cfg, ctx = self.progress, self.cfg, self.ctx
         if ctx.is_main and self.plot is not None:
             write_text(self.plot, plot_csv(p.plot_rows))  # on resume: the rows up to the checkpoint, no more
         interval = torch.zeros(2, dtype=torch.float64, device=ctx.device)  # loss sum, tokens since the last row
         interval_seconds, interval_tokens, saved_at = 0.0, 0, p.step
         start, last_save = time.monotonic() - p.elapsed_seconds, time.monotonic()
-        bar = progress_bar(cfg, p, ctx.is_main)
+        bar = tqdm(total=cfg.max_steps, initial=p.step, disable=not ctx.is_main, unit="step", dynamic_ncols=True)
         stop, _ = self.decide(0.0)
         while not stop:
             t0 = time.perf_counter()
@@ -292,7 +291,7 @@ class Trainer:
             p.step_seconds += seconds
             interval_seconds, interval_tokens = interval_seconds + seconds, interval_tokens + p.train_tokens - tokens_before
             p.elapsed_seconds = time.monotonic() - start
-            bar.update(min(p.elapsed_seconds, cfg.max_minutes * 60) - bar.n if cfg.max_minutes > 0 else 1)
+            bar.update(1)
             stop, due_save = self.decide(time.monotonic() - last_save)
             evaluated = stop or (cfg.eval_every > 0 and p.step % cfg.eval_every == 0)
             if evaluated:
@@ -326,6 +325,7 @@ class Trainer:
         hours = p.elapsed_seconds / 3600
         return {
             "steps": p.step,
+            "stopped_by": "max_minutes" if self.stopped_by_time else "max_steps",
             "epochs": p.epoch + p.cursor / max(len(self.data.train_batches), 1),
             "train_tokens": p.train_tokens,  # real target tokens trained on
             "train_hours": hours,

@@ -7,7 +7,7 @@
 
 Reads params `model` (ModelConfig), `train` (TrainConfig) and `batch.max_tokens`.
 Resumes from the newest complete checkpoint with the same params_hash; stops at
-train.max_steps or train.max_minutes. Outputs (rank 0 only): checkpoints,
+train.max_steps (train.max_minutes is a safety stop, recorded when it fires). Outputs (rank 0 only): checkpoints,
 metrics/train.json, plots/train.csv and an MLflow child run (pipeline/tracking.py).
 """
 

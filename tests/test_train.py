@@ -232,17 +232,30 @@ def test_metrics_and_plot_describe_the_run(tmp_path):
     assert all(float(r["lr"]) > 0 and float(r["loss"]) > 0 for r in rows)
 
 
-def test_the_wall_clock_budget_stops_training_and_clock_checkpoints_are_written(tmp_path):
+def test_two_runs_of_the_same_params_give_identical_weights(tmp_path):
+    """The budget is steps, not minutes: same params and data, same model, whatever the machine's speed."""
+    finals = []
+    for run in ("a", "b"):
+        write_corpus(tmp_path / run)
+        params = write_params(tmp_path / run / "params.yaml", max_steps=7, checkpoint_every=0, model={"dropout": 0.1})
+        metrics = run_stage(tmp_path / run, params)
+        assert metrics["steps"] == 7 and metrics["stopped_by"] == "max_steps"
+        finals.append(load_checkpoint(complete_checkpoints(tmp_path / run / "checkpoints")[-1])["model"])
+    assert finals[0].keys() == finals[1].keys()
+    assert all(torch.equal(finals[0][k], finals[1][k]) for k in finals[0])
+
+
+def test_the_wall_clock_safety_stop_is_recorded_and_clock_checkpoints_are_written(tmp_path):
     write_corpus(tmp_path)
-    # a budget far below one step: training stops after its first step, evaluates and saves
+    # a safety stop far below one step: training stops after its first step, evaluates, saves, and says why
     metrics = run_stage(tmp_path, write_params(tmp_path / "params.yaml", max_steps=1000, max_minutes=1e-9,
                                                checkpoint_every=0, eval_every=0))
-    assert metrics["steps"] == 1 and "valid_ppl" in metrics
+    assert metrics["steps"] == 1 and "valid_ppl" in metrics and metrics["stopped_by"] == "max_minutes"
     assert [p.name for p in complete_checkpoints(tmp_path / "checkpoints")] == ["step_00000001.pt"]
     # checkpoint_minutes shorter than a step: a checkpoint after every step (keep 3)
     metrics = run_stage(tmp_path, write_params(tmp_path / "params.yaml", max_steps=5, checkpoint_every=0,
                                                checkpoint_minutes=1e-9, keep_checkpoints=3))
-    assert metrics["steps"] == 5
+    assert metrics["steps"] == 5 and metrics["stopped_by"] == "max_steps"
     assert [p.name for p in complete_checkpoints(tmp_path / "checkpoints")] == [
         "step_00000003.pt", "step_00000004.pt", "step_00000005.pt"]
 
