@@ -37,7 +37,7 @@ from tests.http_fixtures import FileServer
 
 ROOT = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
-PROJECT_FILES = ["dvc.yaml", "stages", "model", "conf"]
+PROJECT_FILES = ["dvc.yaml", "stages", "pipeline", "model", "conf"]
 GIT_USER = ["-c", "user.name=Test", "-c", "user.email=test@example.org"]
 
 DET = {"the": "lo", "a": "un", "every": "ogni", "no": "nul"}
