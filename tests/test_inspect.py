@@ -186,8 +186,8 @@ def test_checkpoints_table_and_the_ones_average_would_take(corpus, tmp_path, cap
     make_checkpoints(tmp_path / "checkpoints", [2, 4, 6, 8])
     out = inspect(capsys, tmp_path / "checkpoints", tmp_path / "out", "--params", str(corpus / "params.yaml"))
     rows = {int(line.split()[0]): line.split() for line in out.splitlines() if re.match(r"\s*\d+\s+\d:", line)}
-    assert rows[4] == ["4", "0:04:00", "4,000", "25.00", "0.0", "sealed"]
-    assert rows[8] == ["8", "0:08:00", "8,000", "12.50", "0.0", "yes", "sealed"]
+    assert rows[4] == ["4", "0:04:00", "4,000", "25.00", "0.0", "h", "sealed"]
+    assert rows[8] == ["8", "0:08:00", "8,000", "12.50", "0.0", "h", "yes", "sealed"]
     assert "yes" not in rows[4] and "yes" in rows[6]
     assert "would take the last 2 complete" in out and "step_00000006.pt, step_00000008.pt" in out
     out = inspect(capsys, tmp_path / "checkpoints", tmp_path / "out", "--params", str(tmp_path / "none.yaml"))
@@ -271,3 +271,5 @@ def test_an_unknown_path_lists_the_layouts_it_knows(tmp_path, capsys):
     err = fails(capsys, tmp_path)
     assert "not a stage output this tool knows" in err and "raw:" in err and "checkpoints:" in err
     assert "not found" in fails(capsys, tmp_path / "nothing")
+    write_lines(tmp_path / "raw" / "train.en", ["A line."])
+    assert f"holds the stage outputs {tmp_path / 'raw'};" in fails(capsys, tmp_path)

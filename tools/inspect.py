@@ -31,7 +31,6 @@ import argparse
 import importlib
 import logging
 import sys
-from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -53,10 +52,6 @@ LAYOUTS: dict[str, tuple[str, str, str]] = {
     "translations": ("tools.inspect_output", "show_translations",
                      "valid/test.<lang> text files and no train.* (data/translations)"),
 }
-NAMES = {"eval.json": "eval", "raw": "raw", "tokenized": "tokenized", "batches": "batches",
-         "checkpoints": "checkpoints", "model": "model", "translations": "translations"}
-
-
 def detect(path: Path) -> str | None:
     """The layout of `path` by its files, else by its name (so a stage output with files missing still gets its
     view, which names them); None when neither says."""
@@ -72,7 +67,10 @@ def detect(path: Path) -> str | None:
         "translations": bool(texts) and "train" not in texts,
     }
     found = [layout for layout, hit in by_files.items() if hit]
-    return found[0] if found else NAMES.get(path.name)
+    if found:
+        return found[0]
+    name = "eval" if path.name == "eval.json" else path.name  # data/<layout>, metrics/eval.json
+    return name if name in LAYOUTS else None
 
 
 def one_line(error: BaseException) -> str:
@@ -81,8 +79,9 @@ def one_line(error: BaseException) -> str:
     return text if len(text) <= 400 else text[:397] + "..."
 
 
-def parse(argv: list[str] | None) -> tuple[Path, Options]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m tools.inspect", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("path", type=Path, help="a stage output: data/raw, data/tokenized, ..., metrics/eval.json")
     parser.add_argument("--out", type=Path, help="where pictures and tables go (default reports/inspect/<layout>)")
     parser.add_argument("-n", type=int, default=5, help="sample sentences to show (default 5)")
@@ -94,25 +93,28 @@ def parse(argv: list[str] | None) -> tuple[Path, Options]:
     args = parser.parse_args(argv)
     if args.n < 1:
         parser.error(f"-n {args.n}: expected at least 1")
-    cli.setup_logging(logging.INFO if args.verbose else logging.WARNING)
-    return args.path, Options(out=args.out, n=args.n, params=args.params, split=args.split, raw=args.raw,
-                              tokenized=args.tokenized, translations=args.translations)
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     """Print the view of PATH; 0, or 1 with one line on stderr when the output is missing, corrupt or unknown."""
-    path, opts = parse(argv)
-    layout = detect(path)
+    args = parse(argv)
+    cli.setup_logging(logging.INFO if args.verbose else logging.WARNING)
+    layout = detect(args.path)
     if layout is None:
         known = "; ".join(f"{name}: {files}" for name, (_, _, files) in LAYOUTS.items())
-        why = "not found" if not path.exists() else "not a stage output this tool knows"
-        print(f"inspect: {path}: {why}; recognised layouts are {known}", file=sys.stderr)
+        inside = [str(p) for p in sorted(args.path.iterdir()) if detect(p)] if args.path.is_dir() else []
+        why = ("not found" if not args.path.exists() else f"holds the stage outputs {', '.join(inside)}" if inside
+               else "not a stage output this tool knows")
+        print(f"inspect: {args.path}: {why}; recognised layouts are {known}", file=sys.stderr)
         return 1
     module, function, _ = LAYOUTS[layout]
     view: Callable[[Path, Options], None] = getattr(importlib.import_module(module), function)
-    log.info("%s: %s view", path, layout)
+    opts = Options(out=args.out or Path("reports/inspect") / layout, n=args.n, params=args.params, split=args.split,
+                   raw=args.raw, tokenized=args.tokenized, translations=args.translations)
+    log.info("%s: the %s view", args.path, layout)
     try:
-        view(path, replace(opts, out=opts.out or Path("reports/inspect") / layout))
+        view(args.path, opts)
     except (OSError, ValueError, KeyError) as e:  # the project's errors (JSON's and InspectError are ValueErrors)
         sys.stdout.flush()
         print(f"inspect: {one_line(e)}", file=sys.stderr)

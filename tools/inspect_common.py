@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import json
-import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +18,6 @@ from stages.corpus import read_meta
 from stages.evaluate import read_lines
 from stages.files import write_bytes
 
-log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 NUMBER = re.compile(r"-?[\d,]+(\.\d+)?%?")  # a table cell right-aligned as a number
@@ -34,7 +32,7 @@ class InspectError(ValueError):
 class Options:
     """The command line of tools.inspect, as every view sees it."""
 
-    out: Path | None  # where pictures and tables go (None: reports/inspect/<layout>, set by tools.inspect)
+    out: Path  # where pictures and tables go
     n: int  # sample sentences to show
     params: Path
     split: str  # the split the translations view shows

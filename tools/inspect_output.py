@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from textwrap import indent
@@ -19,6 +20,8 @@ from stages.tokenize import encode
 from tools.inspect_common import (InspectError, Options, figure, params_or_reason, read_json, save_png, shown,
                                   sibling, summary, table, text_languages, text_lines)
 from tools.inspect_tokens import load_spm
+
+log = logging.getLogger(__name__)
 
 LIMIT_TOLERANCE = 2  # pieces: re-encoding a detokenized output may not give back exactly the pieces decoded
 
@@ -46,17 +49,19 @@ def load_translated(translations: Path, raw: Path, split: str) -> Translated:
     if len(src) != 1:
         raise FileNotFoundError(f"{shown(raw)}: expected {split}.<source> and {split}.{tgt}, the raw corpus the "
                                 f"translations come from (--raw DIR); found languages {text_languages(raw, split)}")
-    hyp_path = translations / f"{split}.{tgt}"
-    sides = [text_lines(raw / f"{split}.{src[0]}", "the raw source"), text_lines(raw / f"{split}.{tgt}", "the raw "
-             "references"), text_lines(hyp_path, "one translation per source line (translate stage)")]
-    if len({len(side) for side in sides}) != 1:
-        raise InspectError(f"{shown(hyp_path)} has {len(sides[2])} lines but {shown(raw / f'{split}.{src[0]}')} has "
-                           f"{len(sides[0])} and the references {len(sides[1])}: expected one translation per line")
-    return Translated(split, src[0], tgt, *sides)
+    src_path, ref_path, hyp_path = raw / f"{split}.{src[0]}", raw / f"{split}.{tgt}", translations / f"{split}.{tgt}"
+    sources = text_lines(src_path, "the raw source of the translations")
+    references = text_lines(ref_path, "the raw references of the translations")
+    hypotheses = text_lines(hyp_path, "one translation per source line (translate stage)")
+    if not len(sources) == len(references) == len(hypotheses):
+        raise InspectError(f"{shown(hyp_path)} has {len(hypotheses)} lines but {shown(src_path)} has {len(sources)} "
+                           f"and {shown(ref_path)} {len(references)}: expected one translation per line")
+    return Translated(split, src[0], tgt, sources, references, hypotheses)
 
 
 def sentence_scores(t: Translated, tokenize: str = "13a") -> pd.DataFrame:
     """One row per sentence: its text, sentence BLEU and chrF (sacreBLEU), and word counts."""
+    log.info("scoring %d %s sentences", len(t.hypotheses), t.split)
     bleu, chrf = BLEU(tokenize=tokenize, effective_order=True), CHRF()
     pairs = list(zip(t.hypotheses, t.references))
     return pd.DataFrame({
@@ -69,6 +74,7 @@ def sentence_scores(t: Translated, tokenize: str = "13a") -> pd.DataFrame:
 
 
 def print_sentence(row: pd.Series, t: Translated) -> None:
+    """One sentence's source, reference and hypothesis, one above the other, under its line number and scores."""
     print(f"  line {row.line}  (chrF {row.chrf:.1f}, BLEU {row.bleu:.1f})")
     print(f"    source     {t.src_lang}: {row.source}\n    reference  {t.tgt_lang}: {row.reference}\n"
           f"    hypothesis {t.tgt_lang}: {row.hypothesis}")
@@ -140,20 +146,20 @@ def show_eval(path: Path, opts: Options) -> None:
     root = file.absolute().parent.parent
     translations = opts.translations or root / "data" / "translations"
     raw = opts.raw or root / "data" / "raw"
-    tables = [sentence_scores(load_translated(translations, raw, split), bleu_tokenizer(metrics))
-              for split in SCORED_SPLITS]
+    tables = {split: sentence_scores(load_translated(translations, raw, split), bleu_tokenizer(metrics))
+              for split in SCORED_SPLITS}
     print(f"\nper sentence ({shown(translations)} against {shown(raw)}):")
-    for scores in tables:
-        print(f"  {scores.split.iloc[0]}: {len(scores):,} sentences; BLEU {summary(scores.bleu.round(1).to_numpy())}; "
+    for split, scores in tables.items():
+        print(f"  {split}: {len(scores):,} sentences; BLEU {summary(scores.bleu.round(1).to_numpy())}; "
               f"chrF {summary(scores.chrf.round(1).to_numpy())}; {int((scores.bleu == 0).sum())} with BLEU 0")
     csv = opts.out / "sentences.csv"
     opts.out.mkdir(parents=True, exist_ok=True)
-    write_text(csv, pd.concat(tables).to_csv(index=False))
+    write_text(csv, pd.concat(tables.values()).to_csv(index=False))
     print(f"table: {shown(csv)} (one row per sentence: split, line, source, reference, hypothesis, bleu, chrf, "
           f"hyp_words, ref_words; e.g. pandas.read_csv(...).sort_values('chrf'))")
     fig, axes = figure(1)
-    axes[0].hist([s.chrf for s in tables], bins=np.arange(0, 101, 5), histtype="step",
-                 label=[s.split.iloc[0] for s in tables])
+    axes[0].hist([s.chrf for s in tables.values()], bins=np.arange(0, 101, 5), histtype="step",
+                 label=list(tables))
     axes[0].set(title="sentence chrF", xlabel="chrF", ylabel="sentences")
     axes[0].legend()
     save_png(fig, opts.out, "sentence_chrf.png")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from textwrap import indent
 
@@ -13,6 +14,8 @@ from stages.tokenize import DROP_REASONS, encode
 from tools.inspect_common import (InspectError, Options, figure, length_histogram, read_json, save_png, shown,
                                   sibling, summary, table, text_lines)
 from tools.inspect_data import spread
+
+log = logging.getLogger(__name__)
 
 TOP_PIECES = 15
 
@@ -59,6 +62,7 @@ def align(stored: list[tuple], fresh: list[tuple]) -> np.ndarray:
 def round_trip(sp: spm.SentencePieceProcessor, raw: Path, sides: dict, split: str, langs: tuple[str, str]) -> None:
     """Print whether the stored ids of `split` are its raw text re-encoded, and which lines do not decode back."""
     lines = [text_lines(raw / f"{split}.{lang}", f"the raw {split} text the ids were made from") for lang in langs]
+    log.info("re-encoding %s/%s.* and decoding the stored ids", shown(raw), split)
     encoded = [encode(sp, side) for side in lines]  # (flat ids, lengths) per language
     stored = list(zip(*(sentence_keys(sides[split, lang].ids, sides[split, lang].lengths) for lang in langs)))
     fresh = list(zip(*(sentence_keys(ids, lengths) for ids, lengths in encoded)))

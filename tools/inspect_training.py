@@ -14,6 +14,8 @@ from stages.checkpoint import is_complete, step_files
 from stages.config import AverageConfig
 from tools.inspect_common import InspectError, Options, params_or_reason, read_json, shown, table
 
+log = logging.getLogger(__name__)
+
 
 def read_payload(path: Path) -> dict:
     """A checkpoint's dict, memory-mapped (weights_only, on the CPU): its header costs no copy of the weights."""
@@ -33,20 +35,19 @@ def clock(seconds: float) -> str:
 
 
 def checkpoint_row(step: int, path: Path) -> tuple[list, str | None]:
-    """The table row of one checkpoint, and what is wrong with it (None when it is sealed and loads)."""
-    problem = is_complete(path)
+    """The table row of one checkpoint (all but the averaged column), and what is wrong with it, if anything."""
+    problem, size = is_complete(path), f"{path.stat().st_size / 2**20:.1f}"
     try:
         payload = read_payload(path)
     except InspectError as e:
-        why = problem or str(e).split(": ", 1)[1]
-        return [step, "-", "-", "-", f"{path.stat().st_size / 2**20:.1f}", f"unreadable: {why}"], f"{shown(path)}: {why}"
+        problem = problem or str(e).removeprefix(f"{shown(path)}: ")
+        return [step, "-", "-", "-", size, "-", f"unreadable: {problem}"], problem
+    if problem is None and payload.get("step") != step:
+        problem = f"its payload says step {payload.get('step')}"
     ppl = (payload.get("progress") or {}).get("valid", {}).get("valid_ppl")
-    if payload.get("step") != step:
-        problem = problem or f"its payload says step {payload.get('step')}"
     row = [step, clock(payload.get("elapsed_seconds", 0.0)), f"{payload.get('train_tokens', 0):,}",
-           "-" if ppl is None else f"{ppl:.2f}", f"{path.stat().st_size / 2**20:.1f}",
-           "sealed" if problem is None else f"NOT SEALED: {problem}"]
-    return row, problem and f"{shown(path)}: {problem}"
+           "-" if ppl is None else f"{ppl:.2f}", size, str(payload.get("params_hash"))[:8], problem or "sealed"]
+    return row, problem
 
 
 def averaged_by(path: Path, params: Path) -> tuple[list[Path], str]:
@@ -70,16 +71,18 @@ def show_checkpoints(path: Path, opts: Options) -> None:
     found = step_files(path)
     if not found:
         raise FileNotFoundError(f"{shown(path)}: no step_XXXXXXXX.pt files; expected the train stage's checkpoints")
+    log.info("checking the sha256 of %d checkpoint(s)", len(found))
     chosen, line = averaged_by(path, opts.params)
     rows, problems = [], []
     for step, file in found:
         row, problem = checkpoint_row(step, file)
         rows.append([*row[:-1], "yes" if file in chosen else "", row[-1]])
-        problems += [problem] if problem else []
+        problems += [f"{shown(file)}: {problem}"] if problem else []
     print(f"checkpoints {shown(path)}: {len(found)} file(s)\n")
-    print(table(["step", "wall time", "train tokens", "valid ppl", "MiB", "averaged", "status"], rows))
+    print(table(["step", "wall time", "train tokens", "valid ppl", "MiB", "params", "averaged", "status"], rows))
     print(f"\n{line}")
-    print("(valid ppl: the last validation before the checkpoint, train.eval_every; '-' when none yet)")
+    print("(valid ppl: the last validation before the checkpoint, every train.eval_every steps; params: the first "
+          "characters of params_hash, which must agree for `average`)")
     if problems:
         more = f" ({len(problems) - 1} more in the table)" if len(problems) > 1 else ""
         raise InspectError(f"{problems[0]}; expected a sealed checkpoint that loads{more}")
