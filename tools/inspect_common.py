@@ -106,6 +106,11 @@ def params_languages(params: Path) -> tuple[str, str] | None:
     return None if data is None else (data.src_lang, data.tgt_lang)
 
 
+def spread(n_lines: int, n: int) -> list[int]:
+    """Up to n line indices spread evenly from the first line to the last (misalignment shows at the end)."""
+    return sorted(set(np.linspace(0, n_lines - 1, min(n, n_lines)).round().astype(int).tolist())) if n_lines else []
+
+
 def summary(values: np.ndarray) -> str:
     """min / median / mean / max of `values`, or 'none' when empty."""
     if len(values) == 0:

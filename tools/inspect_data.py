@@ -13,14 +13,9 @@ from stages.batch import model_lengths, padding_stats
 from stages.config import BatchConfig
 from stages.corpus import SPLITS, Batches, batch_paths, load_batches
 from tools.inspect_common import (InspectError, Options, figure, language_pair, length_histogram,
-                                  params_or_reason, save_png, shown, sibling, summary, table, text_lines)
+                                  params_or_reason, save_png, shown, sibling, spread, summary, table, text_lines)
 
 BUCKET = 10  # tokens: batches are grouped by their longest sequence in buckets this wide
-
-
-def spread(n_lines: int, n: int) -> list[int]:
-    """Up to n line indices spread evenly from the first line to the last (misalignment shows at the end)."""
-    return sorted(set(np.linspace(0, n_lines - 1, min(n, n_lines)).round().astype(int).tolist())) if n_lines else []
 
 
 def show_raw(path: Path, opts: Options) -> None:

@@ -12,8 +12,7 @@ import sentencepiece as spm
 from stages.corpus import SPLITS, UNK_ID, EncodedSplit, load_split, read_meta, split_paths
 from stages.tokenize import DROP_REASONS, encode
 from tools.inspect_common import (InspectError, Options, figure, length_histogram, read_json, save_png, shown,
-                                  sibling, summary, table, text_lines)
-from tools.inspect_data import spread
+                                  sibling, spread, summary, table, text_lines)
 
 log = logging.getLogger(__name__)
 
