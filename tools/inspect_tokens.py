@@ -1,0 +1,152 @@
+"""The view of the tokenize stage's output (data/tokenized): vocabulary, pieces, lengths, round trip, drops."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from textwrap import indent
+
+import numpy as np
+import sentencepiece as spm
+
+from stages.corpus import SPLITS, UNK_ID, EncodedSplit, load_split, read_meta, split_paths
+from stages.tokenize import DROP_REASONS, encode
+from tools.inspect_common import (InspectError, Options, figure, length_histogram, read_json, save_png, shown,
+                                  sibling, spread, summary, table, text_lines)
+
+log = logging.getLogger(__name__)
+
+TOP_PIECES = 15
+
+
+def load_spm(path: Path) -> spm.SentencePieceProcessor:
+    """The sentencepiece model at `path`; missing or unreadable is an error naming it."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{shown(path)}: missing; expected the shared sentencepiece model (tokenize stage)")
+    try:
+        return spm.SentencePieceProcessor(model_file=str(path))
+    except (OSError, RuntimeError) as e:
+        raise InspectError(f"{shown(path)}: not a sentencepiece model ({e})") from None
+
+
+def check_split(split: str, pair: list[EncodedSplit], vocab_size: int, directory: Path,
+                langs: tuple[str, str]) -> None:
+    """Both sides hold as many sentences, and only ids of the vocabulary; else the files are corrupt."""
+    if len(pair[0]) != len(pair[1]):
+        raise InspectError(f"{shown(directory)}: {split}.{langs[0]} holds {len(pair[0])} sentences but "
+                           f"{split}.{langs[1]} {len(pair[1])}; expected aligned pairs")
+    for side, lang in zip(pair, langs):
+        if len(side.ids) and int(side.ids.max()) >= vocab_size:
+            raise InspectError(f"{shown(split_paths(directory, split, lang)[0])}: holds id {int(side.ids.max())}; "
+                               f"expected ids below the vocabulary size {vocab_size}")
+
+
+def sentence_keys(ids: np.ndarray, lengths: np.ndarray) -> list[bytes]:
+    """Each sentence's ids as bytes: equal sentences, equal keys."""
+    ids, ends = np.asarray(ids), np.cumsum(lengths)
+    return [ids[end - n : end].tobytes() for end, n in zip(ends.tolist(), lengths.tolist())]
+
+
+def align(stored: list[tuple], fresh: list[tuple]) -> np.ndarray:
+    """For each raw pair (re-encoded), the stored pair it became, or -1 if it was dropped; in order."""
+    if len(stored) == len(fresh):  # valid and test are never filtered: line by line
+        return np.arange(len(fresh))
+    where, i = np.full(len(fresh), -1), 0
+    for j, pair in enumerate(fresh):
+        if i < len(stored) and stored[i] == pair:
+            where[j], i = i, i + 1
+    return where
+
+
+def round_trip(sp: spm.SentencePieceProcessor, raw: Path, sides: dict, split: str, langs: tuple[str, str]) -> None:
+    """Print whether the stored ids of `split` are its raw text re-encoded, and which lines do not decode back."""
+    lines = [text_lines(raw / f"{split}.{lang}", f"the raw {split} text the ids were made from") for lang in langs]
+    log.info("re-encoding %s/%s.* and decoding the stored ids", shown(raw), split)
+    encoded = [encode(sp, side) for side in lines]  # (flat ids, lengths) per language
+    stored = list(zip(*(sentence_keys(sides[split, lang].ids, sides[split, lang].lengths) for lang in langs)))
+    fresh = list(zip(*(sentence_keys(ids, lengths) for ids, lengths in encoded)))
+    where = align(stored, fresh)
+    kept = np.flatnonzero(where >= 0).tolist()
+    stale = sum(stored[where[j]] != fresh[j] for j in kept) + len(stored) - len(kept)
+    print(f"  {split}: {len(fresh):,} raw pairs, {len(stored):,} stored; {len(fresh) - len(kept):,} not stored; "
+          + (f"{stale:,} stored pairs differ from the raw text re-encoded (stale? re-run the tokenize stage)" if stale
+             else "every stored pair equals the raw text re-encoded"))
+    if len(kept) < len(fresh):
+        j = int(np.flatnonzero(where < 0)[0])
+        print(f"    first pair not stored (dropped), line {j + 1}: "
+              + " | ".join(f"{lang} ({encoded[k][1][j]} pieces) {lines[k][j]!r}" for k, lang in enumerate(langs)))
+    for k, lang in enumerate(langs):
+        decoded = sp.decode([sides[split, lang][where[j]].tolist() for j in kept])
+        changed = [(j, text) for j, text in zip(kept, decoded) if text != lines[k][j]]
+        print(f"    {lang}: {len(changed):,} of {len(kept):,} lines do not decode back to the raw line", end="")
+        for j, text in changed[:1]:
+            print(f"; e.g. line {j + 1}: raw {lines[k][j]!r} -> {text!r}", end="")
+        print()
+
+
+def show_drops(path: Path) -> None:
+    """Dropped training pairs by reason, from metrics/tokenize.json beside data/ if it is there."""
+    metrics_path = path.absolute().parent.parent / "metrics" / "tokenize.json"
+    if not metrics_path.is_file():
+        print(f"\ndropped training pairs by reason: unknown (no {shown(metrics_path)})")
+        return
+    metrics = read_json(metrics_path, "the tokenize stage's metrics")
+    reasons = ", ".join(f"{reason} {metrics.get(f'dropped_{reason}', '?')}" for reason in DROP_REASONS)
+    print(f"\ndropped training pairs ({shown(metrics_path)}): "
+          f"{metrics.get('train_pairs_raw', 0) - metrics.get('train_pairs', 0):,} of "
+          f"{metrics.get('train_pairs_raw', 0):,} ({reasons})")
+
+
+def show_tokenized(path: Path, opts: Options) -> None:
+    """Vocabulary and frequent pieces, samples as pieces, tokens per sentence (tokens.png), round trip, drops."""
+    meta = read_meta(path)
+    if not all(key in meta for key in ("vocab_size", "src_lang", "tgt_lang")):
+        raise InspectError(f"{shown(path / 'meta.json')}: expected the keys vocab_size, src_lang, tgt_lang; "
+                           f"found {sorted(meta)}")
+    sp, langs = load_spm(path / "spm.model"), (meta["src_lang"], meta["tgt_lang"])
+    if sp.get_piece_size() != meta["vocab_size"]:
+        raise InspectError(f"{shown(path / 'spm.model')} has {sp.get_piece_size()} pieces but meta.json says "
+                           f"vocab_size {meta['vocab_size']}: expected the two to come from one tokenize run")
+    sides = {(split, lang): load_split(path, split, lang) for split in SPLITS for lang in langs}
+    for split in SPLITS:
+        check_split(split, [sides[split, lang] for lang in langs], sp.get_piece_size(), path, langs)
+    print(f"tokenized corpus {shown(path)}: {langs[0]} -> {langs[1]}, shared vocabulary of {sp.get_piece_size():,} "
+          "pieces\n")
+    rows = [[split, len(sides[split, langs[0]]), *(int(sides[split, lang].lengths.sum()) for lang in langs)]
+            for split in SPLITS]
+    print(table(["split", "pairs", *(f"{lang} tokens" for lang in langs)], rows))
+    print("\ntokens per sentence (no BOS/EOS):")
+    for split in SPLITS:
+        for lang in langs:
+            print(f"  {split}.{lang}: {summary(sides[split, lang].lengths)}")
+    show_pieces(sp, [sides["train", lang] for lang in langs], langs, opts.n)
+    show_drops(path)
+    raw = sibling(path, "raw", opts.raw)
+    if raw.is_dir():
+        print(f"\nround trip against {shown(raw)} (sentencepiece normalises text, e.g. NFKC and repeated spaces, so "
+              "some lines legitimately do not decode back):")
+        for split in SPLITS:
+            round_trip(sp, raw, sides, split, langs)
+    else:
+        print(f"\nround trip: skipped (no raw corpus at {shown(raw)}; give --raw DIR)")
+    fig, axes = figure(1)
+    length_histogram(axes[0], [sides["train", lang].lengths for lang in langs], list(langs),
+                     "train: tokens per sentence", "pieces")
+    save_png(fig, opts.out, "tokens.png")
+
+
+def show_pieces(sp: spm.SentencePieceProcessor, train: list[EncodedSplit], langs: tuple[str, str], n: int) -> None:
+    """The most frequent pieces of the training ids (both sides), and sample sentences as pieces and text."""
+    counts = np.bincount(np.concatenate([np.asarray(side.ids) for side in train]), minlength=sp.get_piece_size())
+    total = int(counts.sum())
+    top = np.argsort(-counts, kind="stable")[:TOP_PIECES]
+    print(f"\nmost frequent pieces in train (both sides, {total:,} tokens; {int((counts == 0).sum()):,} pieces never "
+          f"used; unknown {int(counts[UNK_ID]):,}):")
+    rows = [[int(i), sp.id_to_piece(int(i)), int(counts[i]), f"{counts[i] / max(total, 1):.2%}"] for i in top]
+    print(indent(table(["id", "piece", "count", "share"], rows), "  "))
+    print(f"\n{n} sample train pairs, as pieces and decoded back:")
+    for i in spread(len(train[0]), n):
+        print(f"  pair {i + 1}")
+        for lang, side in zip(langs, train):
+            ids = side[i].tolist()
+            print(f"    {lang} pieces: {' '.join(sp.id_to_piece(t) for t in ids)}\n    {lang} text:   {sp.decode(ids)}")
