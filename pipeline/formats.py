@@ -23,6 +23,8 @@ from pathlib import Path
 import numpy as np
 import sentencepiece as spm
 
+from pipeline.files import InputError
+
 # Special ids of the shared sentencepiece vocabulary (stages.tokenize sets them).
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 SPLITS = ("train", "valid", "test")
@@ -84,9 +86,12 @@ def load_spm(directory: str | Path, vocab_size: int) -> spm.SentencePieceProcess
     path = Path(directory) / "spm.model"
     if not path.exists():
         raise FileNotFoundError(f"{path}: missing; run the tokenize stage first")
-    sp = spm.SentencePieceProcessor(model_file=str(path))
+    try:
+        sp = spm.SentencePieceProcessor(model_file=str(path))
+    except (OSError, RuntimeError) as e:
+        raise InputError(f"{path}: not a sentencepiece model ({e})") from None
     if sp.get_piece_size() != vocab_size:
-        raise ValueError(f"{path} has {sp.get_piece_size()} pieces but the model has a vocabulary of "
+        raise InputError(f"{path} has {sp.get_piece_size()} pieces but the model has a vocabulary of "
                          f"{vocab_size}: they were not trained together")
     return sp
 

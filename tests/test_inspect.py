@@ -13,13 +13,12 @@ import pytest
 import torch
 import yaml
 
-from model.transformer import build_transformer
-from stages.checkpoint import save_checkpoint
-from stages.config import TokenizeConfig
-from stages.corpus import batch_paths
-from stages.tokenize import tokenize
+from model.config import ModelConfig
+from model.transformer import Transformer
+from pipeline.checkpoint import save_checkpoint
+from pipeline.formats import batch_paths
 from tests.train_fixtures import write_split
-from tests.translation_fixtures import MODEL_CONFIG, TEST_EN, VALID_EN, save_model, sentence_pairs, write_lines
+from tests.translation_fixtures import MODEL_CONFIG, TEST_EN, VALID_EN, save_model, tokenized_corpus, write_lines
 from tools.inspect import main
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -31,16 +30,8 @@ BAD_LINE, LONG_LINE = 3, 5  # test lines (1-based) whose hypotheses are wrong / 
 def corpus(tmp_path_factory) -> Path:
     """root/data/raw and root/data/tokenized (the real tokenize stage, metrics in root/metrics), root/params.yaml."""
     root = tmp_path_factory.mktemp("corpus")
-    raw = root / "data" / "raw"
-    pairs = [*sentence_pairs(), (DOUBLE_SPACE, "Ein Mann fährt ein Fahrrad."), ("", "Ein Hund.")]  # the last: dropped
-    write_lines(raw / "train.en", [en for en, _ in pairs])
-    write_lines(raw / "train.de", [de for _, de in pairs])
-    for split, sources in (("test", TEST_EN), ("valid", VALID_EN)):
-        write_lines(raw / f"{split}.en", sources)
-        write_lines(raw / f"{split}.de", [f"Referenz {i}." for i in range(len(sources))])
-    cfg = TokenizeConfig(model_type="bpe", vocab_size=60, character_coverage=1.0, input_sentence_size=0,
-                         max_len=64, max_len_ratio=3.0, seed=1)
-    tokenize(raw, root / "data" / "tokenized", ("en", "de"), cfg, root / "metrics" / "tokenize.json")
+    extra = ((DOUBLE_SPACE, "Ein Mann fährt ein Fahrrad."), ("", "Ein Hund."))  # the last: dropped
+    tokenized_corpus(root / "data" / "raw", root / "data" / "tokenized", extra, root / "metrics" / "tokenize.json")
     params = {"translate": dict(beam_size=2, length_penalty=0.6, max_len_a=1.0, max_len_b=20, max_tokens=40),
               "average": {"last_n": 2}, "batch": {"max_tokens": 30, "seed": 1}}
     (root / "params.yaml").write_text(yaml.safe_dump(params))
@@ -122,7 +113,7 @@ def test_tokenized_with_stale_ids_or_a_missing_model_names_the_file(corpus, tmp_
     offsets.write_bytes(offsets.read_bytes()[:-8])  # one sentence short: the offsets no longer end at the ids' end
     assert "valid.en.offsets: offsets do not describe" in fails(capsys, tokenized)
     (tokenized / "spm.model").unlink()
-    assert "spm.model: missing; expected the shared sentencepiece model" in fails(capsys, tokenized)
+    assert "spm.model: missing; run the tokenize stage first" in fails(capsys, tokenized)
 
 
 def write_tokenized(tokenized: Path, lengths: dict[str, list[int]]) -> None:
@@ -213,7 +204,7 @@ def test_model_counts_parameters_by_component_and_names_its_checkpoints(tmp_path
     model = save_model(tmp_path / "model", tokenized)
     (model / "averaged.json").write_text(json.dumps({"steps": [1], "checkpoints": ["step_00000001.pt"]}))
     out = inspect(capsys, model, tmp_path / "out")
-    expected = sum(p.numel() for p in build_transformer(30, **MODEL_CONFIG).parameters())
+    expected = sum(p.numel() for p in Transformer(ModelConfig(**MODEL_CONFIG), 30).parameters())
     assert f"{expected:,} parameters" in out
     assert "averages 1 checkpoint(s)" in out and "step_00000001.pt; steps [1]" in out
     assert "built from: vocab_size 30, n_layers 2, d_model 16" in out

@@ -75,8 +75,12 @@ def write_lines(path: Path, lines: list[str]) -> None:
 
 def make_corpus(root: Path) -> tuple[Path, Path]:
     """root/raw with en-de train/valid/test and root/tokenized made by the tokenize stage itself."""
-    raw, tokenized = root / "raw", root / "tokenized"
-    pairs = sentence_pairs()
+    return tokenized_corpus(root / "raw", root / "tokenized")
+
+
+def tokenized_corpus(raw: Path, tokenized: Path, extra_pairs: tuple = (), metrics: Path | None = None) -> tuple[Path, Path]:
+    """`raw` with en-de train (sentence_pairs() + extra_pairs)/valid/test, and `tokenized` by the tokenize stage."""
+    pairs = [*sentence_pairs(), *extra_pairs]
     write_lines(raw / "train.en", [en for en, _ in pairs])
     write_lines(raw / "train.de", [de for _, de in pairs])
     for split, sources in (("test", TEST_EN), ("valid", VALID_EN)):
@@ -84,7 +88,7 @@ def make_corpus(root: Path) -> tuple[Path, Path]:
         write_lines(raw / f"{split}.de", [f"Referenz {i}." for i in range(len(sources))])
     cfg = TokenizeConfig(model_type="bpe", vocab_size=60, character_coverage=1.0, input_sentence_size=0,
                          max_len=64, max_len_ratio=3.0, seed=1)
-    tokenize(raw, tokenized, ("en", "de"), cfg)
+    tokenize(raw, tokenized, ("en", "de"), cfg, metrics)
     return raw, tokenized
 
 

@@ -34,7 +34,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from stages import cli
+from pipeline import cli
 from tools.inspect_common import TEXT_FILE, Options
 
 log = logging.getLogger(__name__)

@@ -12,11 +12,11 @@ from typing import Callable, TypeVar
 import numpy as np
 from matplotlib.figure import Figure
 
-from stages import config
-from stages.config import DataConfig, ParamsError
-from stages.corpus import read_meta
+from pipeline import config
+from pipeline.config import DataConfig, ParamsError
+from pipeline.formats import read_meta
 from stages.evaluate import read_lines
-from stages.files import write_bytes
+from pipeline.files import write_bytes
 
 T = TypeVar("T")
 

@@ -7,11 +7,10 @@ from textwrap import indent
 
 import numpy as np
 
-from stages import config
-from stages.batch import SPLITS as BATCHED_SPLITS
+from pipeline import config
 from stages.batch import model_lengths, padding_stats
-from stages.config import BatchConfig
-from stages.corpus import SPLITS, Batches, batch_paths, load_batches
+from pipeline.config import BatchConfig
+from pipeline.formats import BATCHED_SPLITS, SPLITS, Ragged, batch_paths, load_batches
 from tools.inspect_common import (InspectError, Options, figure, language_pair, length_histogram,
                                   params_or_reason, save_png, shown, sibling, spread, summary, table, text_lines)
 
@@ -47,37 +46,37 @@ def show_raw(path: Path, opts: Options) -> None:
                                "line by line")
 
 
-def select(batches: Batches, chosen: np.ndarray) -> Batches:
+def select(batches: Ragged, chosen: np.ndarray) -> Ragged:
     """The batches where `chosen` ([num_batches] bool) holds, as batches of their own."""
-    sizes = np.diff(batches.bounds)
-    index = np.asarray(batches.index)[np.repeat(chosen, sizes)]
-    return Batches(index, np.concatenate([[0], np.cumsum(sizes[chosen])]).astype(np.int64))
+    sizes = np.diff(batches.offsets)
+    index = np.asarray(batches.values)[np.repeat(chosen, sizes)]
+    return Ragged(index, np.concatenate([[0], np.cumsum(sizes[chosen])]).astype(np.int64))
 
 
-def check_index(batches: Batches, n_pairs: int, path: Path, split: str, tokenized: Path) -> str | None:
+def check_index(batches: Ragged, n_pairs: int, path: Path, split: str, tokenized: Path) -> str | None:
     """None when the batches hold every pair of the split once, else how they do not; an index outside the
     split is an error naming the file."""
     index_path = shown(batch_paths(path, split)[0])
-    if len(batches.index) and (batches.index.min() < 0 or batches.index.max() >= n_pairs):
-        raise InspectError(f"{index_path}: holds pair {int(batches.index.max())} but {shown(tokenized)} {split} has "
+    if len(batches.values) and (batches.values.min() < 0 or batches.values.max() >= n_pairs):
+        raise InspectError(f"{index_path}: holds pair {int(batches.values.max())} but {shown(tokenized)} {split} has "
                            f"{n_pairs} pairs; expected batches of this tokenized corpus (re-run the batch stage)")
-    counts = np.bincount(batches.index, minlength=n_pairs)
+    counts = np.bincount(batches.values, minlength=n_pairs)
     missing, repeated = int((counts == 0).sum()), int((counts > 1).sum())
     if missing or repeated:
         return f"{n_pairs - missing:,} of {n_pairs:,} pairs batched ({missing:,} missing, {repeated:,} more than once)"
     return None
 
 
-def per_batch(S: np.ndarray, T: np.ndarray, batches: Batches) -> dict[str, np.ndarray]:
+def per_batch(S: np.ndarray, T: np.ndarray, batches: Ragged) -> dict[str, np.ndarray]:
     """Per batch: sentences, real source and target tokens, and the longest sequence on either side."""
-    starts, index = batches.bounds[:-1], np.asarray(batches.index)
+    starts, index = batches.offsets[:-1], np.asarray(batches.values)
     S, T = S[index], T[index]
     longest = np.maximum(np.maximum.reduceat(S, starts), np.maximum.reduceat(T, starts))
-    return {"sentences": np.diff(batches.bounds), "src": np.add.reduceat(S, starts),
+    return {"sentences": np.diff(batches.offsets), "src": np.add.reduceat(S, starts),
             "tgt": np.add.reduceat(T, starts), "longest": longest}
 
 
-def bucket_rows(S: np.ndarray, T: np.ndarray, batches: Batches, longest: np.ndarray) -> list[list]:
+def bucket_rows(S: np.ndarray, T: np.ndarray, batches: Ragged, longest: np.ndarray) -> list[list]:
     """Padding efficiency of the batches in each BUCKET-token bucket of their longest sequence."""
     bucket = (longest - 1) // BUCKET
     rows = []
@@ -85,13 +84,13 @@ def bucket_rows(S: np.ndarray, T: np.ndarray, batches: Batches, longest: np.ndar
         chosen = bucket == b
         stats = padding_stats(S, T, select(batches, chosen))
         rows.append([f"{b * BUCKET + 1}-{(b + 1) * BUCKET}", int(chosen.sum()),
-                     int(np.diff(batches.bounds)[chosen].sum()), stats["padding_efficiency"],
+                     int(np.diff(batches.offsets)[chosen].sum()), stats["padding_efficiency"],
                      stats["src_padding_efficiency"], stats["tgt_padding_efficiency"]])
     return rows
 
 
 def show_batches(path: Path, opts: Options) -> None:
-    """Batches per split, sentences and real tokens per batch, padding efficiency per length bucket (batches.png)."""
+    """Ragged per split, sentences and real tokens per batch, padding efficiency per length bucket (batches.png)."""
     tokenized = sibling(path, "tokenized", opts.tokenized)
     cfg, why = params_or_reason(lambda: config.load(opts.params, "batch", BatchConfig))
     print(f"batches {shown(path)} (lengths from {shown(tokenized)}, as the model sees them: source + EOS, "

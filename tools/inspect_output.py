@@ -11,15 +11,13 @@ import numpy as np
 import pandas as pd
 from sacrebleu.metrics import BLEU, CHRF
 
-from stages import config
-from stages.config import TranslateConfig
-from stages.corpus import load_split
-from stages.evaluate import SPLITS as SCORED_SPLITS
-from stages.files import write_text
+from pipeline import config
+from pipeline.config import TranslateConfig
+from pipeline.formats import DECODED_SPLITS, load_spm, load_split, read_meta
+from pipeline.files import write_text
 from stages.tokenize import encode
 from tools.inspect_common import (InspectError, Options, figure, params_or_reason, read_json, save_png, shown,
                                   sibling, summary, table, text_languages, text_lines)
-from tools.inspect_tokens import load_spm
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +111,7 @@ def show_length_limit(t: Translated, tokenized: Path, opts: Options) -> None:
         print(f"\nlength limit: not checked ({why})")
         return
     S = load_split(tokenized, t.split, t.src_lang).lengths + 1  # + EOS, as the search sees the source
-    out = encode(load_spm(tokenized / "spm.model"), t.hypotheses)[1]
+    out = encode(load_spm(tokenized, read_meta(tokenized)["vocab_size"]), t.hypotheses)[1]
     if len(S) != len(out):
         raise InspectError(f"{shown(tokenized)}: {t.split}.{t.src_lang} holds {len(S)} sentences, the translations "
                            f"{len(out)}: expected the tokenized corpus the translations were made from")
@@ -147,7 +145,7 @@ def show_eval(path: Path, opts: Options) -> None:
     translations = opts.translations or root / "data" / "translations"
     raw = opts.raw or root / "data" / "raw"
     tables = {split: sentence_scores(load_translated(translations, raw, split), bleu_tokenizer(metrics))
-              for split in SCORED_SPLITS}
+              for split in DECODED_SPLITS}
     print(f"\nper sentence ({shown(translations)} against {shown(raw)}):")
     for split, scores in tables.items():
         print(f"  {split}: {len(scores):,} sentences; BLEU {summary(scores.bleu.round(1).to_numpy())}; "

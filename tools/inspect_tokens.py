@@ -9,7 +9,7 @@ from textwrap import indent
 import numpy as np
 import sentencepiece as spm
 
-from stages.corpus import SPLITS, UNK_ID, EncodedSplit, load_split, read_meta, split_paths
+from pipeline.formats import SPLITS, UNK_ID, Ragged, load_spm, load_split, read_meta, split_paths
 from stages.tokenize import DROP_REASONS, encode
 from tools.inspect_common import (InspectError, Options, figure, length_histogram, read_json, save_png, shown,
                                   sibling, spread, summary, table, text_lines)
@@ -19,25 +19,15 @@ log = logging.getLogger(__name__)
 TOP_PIECES = 15
 
 
-def load_spm(path: Path) -> spm.SentencePieceProcessor:
-    """The sentencepiece model at `path`; missing or unreadable is an error naming it."""
-    if not path.is_file():
-        raise FileNotFoundError(f"{shown(path)}: missing; expected the shared sentencepiece model (tokenize stage)")
-    try:
-        return spm.SentencePieceProcessor(model_file=str(path))
-    except (OSError, RuntimeError) as e:
-        raise InspectError(f"{shown(path)}: not a sentencepiece model ({e})") from None
-
-
-def check_split(split: str, pair: list[EncodedSplit], vocab_size: int, directory: Path,
+def check_split(split: str, pair: list[Ragged], vocab_size: int, directory: Path,
                 langs: tuple[str, str]) -> None:
     """Both sides hold as many sentences, and only ids of the vocabulary; else the files are corrupt."""
     if len(pair[0]) != len(pair[1]):
         raise InspectError(f"{shown(directory)}: {split}.{langs[0]} holds {len(pair[0])} sentences but "
                            f"{split}.{langs[1]} {len(pair[1])}; expected aligned pairs")
     for side, lang in zip(pair, langs):
-        if len(side.ids) and int(side.ids.max()) >= vocab_size:
-            raise InspectError(f"{shown(split_paths(directory, split, lang)[0])}: holds id {int(side.ids.max())}; "
+        if len(side.values) and int(side.values.max()) >= vocab_size:
+            raise InspectError(f"{shown(split_paths(directory, split, lang)[0])}: holds id {int(side.values.max())}; "
                                f"expected ids below the vocabulary size {vocab_size}")
 
 
@@ -63,7 +53,7 @@ def round_trip(sp: spm.SentencePieceProcessor, raw: Path, sides: dict, split: st
     lines = [text_lines(raw / f"{split}.{lang}", f"the raw {split} text the ids were made from") for lang in langs]
     log.info("re-encoding %s/%s.* and decoding the stored ids", shown(raw), split)
     encoded = [encode(sp, side) for side in lines]  # (flat ids, lengths) per language
-    stored = list(zip(*(sentence_keys(sides[split, lang].ids, sides[split, lang].lengths) for lang in langs)))
+    stored = list(zip(*(sentence_keys(sides[split, lang].values, sides[split, lang].lengths) for lang in langs)))
     fresh = list(zip(*(sentence_keys(ids, lengths) for ids, lengths in encoded)))
     where = align(stored, fresh)
     kept = np.flatnonzero(where >= 0).tolist()
@@ -103,10 +93,7 @@ def show_tokenized(path: Path, opts: Options) -> None:
     if not all(key in meta for key in ("vocab_size", "src_lang", "tgt_lang")):
         raise InspectError(f"{shown(path / 'meta.json')}: expected the keys vocab_size, src_lang, tgt_lang; "
                            f"found {sorted(meta)}")
-    sp, langs = load_spm(path / "spm.model"), (meta["src_lang"], meta["tgt_lang"])
-    if sp.get_piece_size() != meta["vocab_size"]:
-        raise InspectError(f"{shown(path / 'spm.model')} has {sp.get_piece_size()} pieces but meta.json says "
-                           f"vocab_size {meta['vocab_size']}: expected the two to come from one tokenize run")
+    sp, langs = load_spm(path, meta["vocab_size"]), (meta["src_lang"], meta["tgt_lang"])
     sides = {(split, lang): load_split(path, split, lang) for split in SPLITS for lang in langs}
     for split in SPLITS:
         check_split(split, [sides[split, lang] for lang in langs], sp.get_piece_size(), path, langs)
@@ -135,9 +122,9 @@ def show_tokenized(path: Path, opts: Options) -> None:
     save_png(fig, opts.out, "tokens.png")
 
 
-def show_pieces(sp: spm.SentencePieceProcessor, train: list[EncodedSplit], langs: tuple[str, str], n: int) -> None:
+def show_pieces(sp: spm.SentencePieceProcessor, train: list[Ragged], langs: tuple[str, str], n: int) -> None:
     """The most frequent pieces of the training ids (both sides), and sample sentences as pieces and text."""
-    counts = np.bincount(np.concatenate([np.asarray(side.ids) for side in train]), minlength=sp.get_piece_size())
+    counts = np.bincount(np.concatenate([np.asarray(side.values) for side in train]), minlength=sp.get_piece_size())
     total = int(counts.sum())
     top = np.argsort(-counts, kind="stable")[:TOP_PIECES]
     print(f"\nmost frequent pieces in train (both sides, {total:,} tokens; {int((counts == 0).sum()):,} pieces never "

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import torch
 
-from stages import config
+from pipeline import config
 from stages.average import AverageError, select_checkpoints
-from stages.checkpoint import is_complete, step_files
-from stages.config import AverageConfig
+from pipeline.checkpoint import is_complete, step_files
+from pipeline.config import AverageConfig
 from tools.inspect_common import InspectError, Options, params_or_reason, read_json, shown, table
 
 log = logging.getLogger(__name__)
