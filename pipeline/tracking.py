@@ -160,6 +160,10 @@ class StageRun:
         for chunk in _chunks(flat):
             self._call(lambda chunk=chunk: self.client.log_batch(self.run_id, metrics=chunk))
 
+    def log_artifact(self, path: str | Path, artifact_path: str) -> None:
+        """Store a copy of file `path` with the run, under `artifact_path/` (e.g. the hypotheses a BLEU came from)."""
+        self._call(lambda: self.client.log_artifact(self.run_id, str(path), artifact_path))
+
     def set_tags(self, tags: dict[str, Any]) -> None:
         from mlflow.entities import RunTag
 

@@ -19,7 +19,8 @@ bleu_tokenized, signature, chrf_signature), the dev set as valid_bleu,
 valid_chrf, valid_bleu_tokenized. The last line on stdout is
 `BLEU = xx.x (sacreBLEU signature: ...)`. A hypothesis file that is empty or
 whose line count differs from its reference is an error, and no metrics are
-written.
+written. The MLflow run keeps the hypotheses and references scored
+(artifacts `hypotheses/` and `references/`), for `python -m tools.compare`.
 """
 
 from __future__ import annotations
@@ -141,6 +142,9 @@ def main(argv: list[str] | None = None) -> None:
     with tracking.stage_run("evaluate", args.params) as run:
         run.log_params({"evaluate": asdict(cfg), "data": {"tgt_lang": lang}})
         metrics = score_splits(args.translations, args.raw, lang, cfg.tokenize)
+        for split in DECODED_SPLITS:  # what tools.compare tests for significance, with the reference it was scored on
+            run.log_artifact(args.translations / f"{split}.{lang}", "hypotheses")
+            run.log_artifact(args.raw / f"{split}.{lang}", "references")
         write_json(args.metrics, metrics)
         run.log_metrics({k: v for k, v in metrics.items() if isinstance(v, float)})
     print(f"BLEU = {metrics['bleu']:.1f} (sacreBLEU signature: {metrics['signature']})", flush=True)
