@@ -194,6 +194,7 @@ class Trainer:
         self.loss_model: nn.Module = SmoothedLoss(self.model, cfg.label_smoothing)
         if ctx.world > 1:
             self.loss_model = DistributedDataParallel(self.loss_model, device_ids=[ctx.local_rank] if ctx.cuda else None)
+        # Paper: fp32 on P100s. GPUs train under bf16 autocast (the weights and Adam stay fp32).
         self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if ctx.cuda else contextlib.nullcontext()
         self.valid, left_out = data.valid_share(ctx.rank, ctx.world, model_cfg.max_positions, ctx.device)
         if left_out:

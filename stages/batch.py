@@ -92,7 +92,11 @@ def order_by_length(S: np.ndarray, T: np.ndarray, seed: int) -> np.ndarray:
 
 
 def fill(L: np.ndarray, max_tokens: int) -> np.ndarray:
-    """Greedy batch bounds over L = max(S, T) in nondecreasing order: each batch as large as fits."""
+    """Greedy batch bounds over L = max(S, T) in nondecreasing order: each batch as large as fits.
+
+    # Paper: batches of ~25000 real tokens a side per step (Sec. 5.1); the cap is on padded tokens
+    # (n x L), and the presets set it by measuring the real figure (metrics: *_tokens_per_step_*).
+    """
     bounds, i, n = [0], 0, len(L)
     while i < n:
         # L never decreases, so batch [i, i + k) fits iff k * L[i + k - 1] <= max_tokens.
@@ -160,7 +164,8 @@ def main(argv: list[str] | None = None) -> None:
             log.info("%s: %d pairs in %d batches, padding efficiency %s", split, len(S), len(batches),
                      stats.get("padding_efficiency"))
             if split == "train":
-                metrics |= stats | {"num_batches": len(batches)} | step_stats(S, T, batches, batches_per_step, train.seed)
+                metrics |= stats | {"num_batches": len(batches)}
+                metrics |= step_stats(S, T, batches, batches_per_step, train.seed)
                 log.info("train: %d batches a step, real tokens a step: source %.0f, target %.0f (mean)",
                          batches_per_step, metrics["src_tokens_per_step_mean"], metrics["tgt_tokens_per_step_mean"])
             else:

@@ -92,12 +92,12 @@ def split_compounds(tokenized: str) -> str:
 
 def paper_tokenize(lines: list[str], lang: str) -> list[str]:
     """`tokenizer.perl -l lang` (default escaping) then compound splitting, line by line."""
-    moses = MosesTokenizer(lang=lang)
+    moses = MosesTokenizer(lang=lang)  # Paper: tokenizer.perl itself; sacremoses is its Python port
     return [split_compounds(moses.tokenize(line, return_str=True, escape=True)) for line in lines]
 
 
 def replace_unicode_punctuation(lines: list[str], lang: str) -> list[str]:
-    """Moses' replace-unicode-punctuation.perl, line by line: “ ” ’ … 「 」 （ ） ... to their ASCII forms."""
+    """Moses' replace-unicode-punctuation.perl, line by line: “ ” ’ … 「 」 （ ） ... to ASCII forms."""
     normalizer = MosesPunctNormalizer(lang=lang)
     return [normalizer.replace_unicode_punct(line) for line in lines]
 

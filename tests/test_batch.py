@@ -142,8 +142,9 @@ def test_main_batches_train_and_valid_with_lengths_as_the_model_sees_them(tmp_pa
     expected = padding_stats(train[0] + 1, train[1] + 1, train_batches)
     # Real tokens of each step of the first epoch: the train stage's order (seed + epoch 0), 6 batches at a time.
     order = np.random.default_rng(5).permutation(len(train_batches))
-    per_step = {side: [int(lengths[np.concatenate([train_batches[b] for b in order[i : i + 6]])].sum())
-                       for i in range(0, len(order), 6)] for side, lengths in (("src", train[0] + 1), ("tgt", train[1] + 1))}
+    steps = [np.concatenate([train_batches[b] for b in order[i : i + 6]]) for i in range(0, len(order), 6)]
+    per_step = {side: [int(lengths[rows].sum()) for rows in steps]
+                for side, lengths in (("src", train[0] + 1), ("tgt", train[1] + 1))}
     assert len(per_step["src"]) > 3 and sum(per_step["tgt"]) == int((train[1] + 1).sum())
     expected |= {f"{side}_tokens_per_step_{stat}": f(per_step[side]) for side in per_step
                  for stat, f in (("mean", np.mean), ("min", min), ("max", max))}

@@ -148,9 +148,9 @@ def test_tokenized_bleu_replaces_unicode_punctuation_in_the_hypotheses_only():
     """get_ende_bleu.sh runs replace-unicode-punctuation.perl on the hypotheses, not on its reference: a
     hypothesis that copies the reference's typographic quotes, apostrophe and ellipsis loses those matches;
     the en dash is not in the script's list and still matches."""
-    ref = ["Er sagte gestern Abend: “Das ist Peter’s Haus in der Stadt” – und ging dann … langsam nach Hause."]
+    ref = ["Er sagte gestern: “Das ist Peter’s Haus in der Stadt” – und ging dann … langsam nach Hause."]
     assert evaluate.replace_unicode_punctuation(ref, "de") == [
-        'Er sagte gestern Abend: "Das ist Peter\'s Haus in der Stadt" – und ging dann ... langsam nach Hause.']
+        'Er sagte gestern: "Das ist Peter\'s Haus in der Stadt" – und ging dann ... langsam nach Hause.']
     hyp_tokens = evaluate.paper_tokenize(evaluate.replace_unicode_punctuation(ref, "de"), "de")[0].split()
     ref_tokens = evaluate.paper_tokenize(ref, "de")[0].split()
     assert "–" in hyp_tokens and "–" in ref_tokens and "&quot;" in hyp_tokens and "“" in ref_tokens
