@@ -5,10 +5,11 @@
 
 Each step updates on world x grad_accumulation() stored batches
 (pipeline/steps.py): every one of the world's processes accumulates that many
-micro-batches, one stored batch each. Each epoch shuffles the batch order (seed + epoch); a step takes the
-next world x accumulation batches of it and rank r the r-th of every world. The
-loss is summed over real target tokens and divided by the step's real target
-tokens over all ranks and micro-batches, so the update is that of one big batch.
+micro-batches, one stored batch each. Each epoch shuffles the batch order (seed
++ epoch); a step takes the next world x accumulation batches of it and rank r
+the r-th of every world. The loss is summed over real target tokens and divided
+by the step's real target tokens over all ranks and micro-batches, so the update
+is that of one big batch.
 The real source and target tokens of every step are counted (metrics/train.json:
 {src,tgt}_tokens_per_step_{mean,min,max}; Sec. 5.1 asks for ~25000 of each).
 
@@ -126,7 +127,7 @@ class Progress:
     cursor: int = 0  # next position in the epoch's batch order
     train_tokens: int = 0  # real target tokens (with EOS)
     src_tokens: int = 0  # real source tokens (with EOS)
-    step_tokens_range: list = field(default_factory=list)  # [src min, src max, tgt min, tgt max] over the steps
+    step_tokens_range: list[int] = field(default_factory=list)  # [src min, src max, tgt min, tgt max] over the steps
     flops: float = 0.0
     elapsed_seconds: float = 0.0  # wall clock of the training loop (evaluation and checkpoints included)
     step_seconds: float = 0.0  # time in training steps only (tokens per second, MFU)

@@ -5,8 +5,8 @@
 Reads params `batch` (BatchConfig) and, to report the steps the train stage
 will run, `train.devices`, `train.tokens_per_step` and `train.seed`. Batches the
 train and valid splits (test is decoded by the translate stage with its own
-batching). Sec. 5.1: "Sentence pairs
-were batched together by approximate sequence length"; a batch of n pairs is
+batching). Sec. 5.1: "Sentence pairs were batched together by approximate
+sequence length"; a batch of n pairs is
 padded to n x (longest source) and n x (longest target) tokens, and both must be
 <= max_tokens. Lengths are as the model sees them: source + EOS, target + BOS/EOS.
 
