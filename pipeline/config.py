@@ -79,7 +79,7 @@ class TokenizeConfig:
 
 @dataclass(frozen=True)
 class BatchConfig:
-    max_tokens: int  # padded source tokens and padded target tokens per batch, each, per device
+    max_tokens: int  # padded tokens per batch and device, each side: n pairs x the longest side of the longest pair
     seed: int
 
 
@@ -89,7 +89,7 @@ class BatchConfig:
 @dataclass(frozen=True)
 class TrainConfig:
     devices: int  # torchrun processes (GPUs, or CPU processes)
-    tokens_per_step: int  # target tokens per optimizer step; sets gradient accumulation
+    tokens_per_step: int  # padded tokens (batch.max_tokens' units) per optimizer step; sets gradient accumulation
     max_steps: int
     max_minutes: float  # wall-clock safety stop, 0 = none; recorded as metrics stopped_by = "max_minutes" when it fires
     warmup_steps: int

@@ -1,4 +1,4 @@
-"""Data-parallel plumbing for the train stage: processes, devices and their peak, who trains on which batch.
+"""Data-parallel plumbing for the train stage: processes, devices and their peak (which batches: pipeline/steps.py).
 
 torchrun sets RANK, WORLD_SIZE and LOCAL_RANK; without them (plain `python -m
 stages.train`) there is one process and no process group at all. GPUs: one per
@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -71,33 +69,6 @@ def setup(devices: int) -> Dist:
 def teardown(ctx: Dist) -> None:
     if ctx.world > 1 and dist.is_initialized():
         dist.destroy_process_group()
-
-
-def grad_accumulation(tokens_per_step: int, max_tokens: int, devices: int) -> int:
-    """Micro-batches per device per step: ceil(tokens_per_step / (max_tokens x devices)).
-
-    Sec. 5.1 trains on ~25000 target tokens per step (8 GPUs of ~3100 each).
-    A batch holds at most batch.max_tokens, so each of `devices` processes
-    accumulates this many batches before the update: the tokens per step stay
-    what train.tokens_per_step says however many devices run (users change only
-    train.devices; the accumulation follows).
-    """
-    return max(1, math.ceil(tokens_per_step / (max_tokens * devices)))
-
-
-def epoch_order(num_batches: int, seed: int, epoch: int) -> np.ndarray:
-    """The shuffled batch order of one epoch; the same in every process (seeded by seed + epoch)."""
-    return np.random.default_rng(seed + epoch).permutation(num_batches)
-
-
-def rank_share(step_batches: np.ndarray, rank: int, world: int) -> tuple[list[int], int]:
-    """This rank's batches of one step (every world-th, from `rank`) and the micro-batch count all ranks run.
-
-    At an epoch's tail the step holds fewer than world x accumulation batches;
-    ranks left short run zero-weighted micro-batches so every rank joins every
-    gradient all-reduce.
-    """
-    return [int(b) for b in step_batches[rank::world]], math.ceil(len(step_batches) / world)
 
 
 def all_sum(t: torch.Tensor, ctx: Dist) -> torch.Tensor:

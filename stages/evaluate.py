@@ -9,10 +9,12 @@ scored against the raw references data/raw/{split}.{tgt}:
 - `bleu`, `chrf`: sacreBLEU on detokenized text (tokenizer `evaluate.tokenize`,
   mixed case), with its signature: the numbers to compare across papers.
 - `bleu_tokenized`: the paper's number (Sec. 6.1 used tensor2tensor's
-  get_ende_bleu.sh): both sides Moses-tokenized as `tokenizer.perl -l {tgt}`
-  does by default (escaping & < > ' " [ ] |), hyphenated compounds split with
-  `s{(\\S)-(\\S)}{$1 ##AT##-##AT## $2}g`, then multi-bleu.perl (BLEU on
-  whitespace tokens, no smoothing).
+  get_ende_bleu.sh): the hypotheses through `replace-unicode-punctuation.perl`
+  (typographic quotes, apostrophes, ellipses and CJK punctuation to ASCII; not
+  the en and em dashes), then both sides Moses-tokenized as
+  `tokenizer.perl -l {tgt}` does by default (escaping & < > ' " [ ] |),
+  hyphenated compounds split with `s{(\\S)-(\\S)}{$1 ##AT##-##AT## $2}g`, then
+  multi-bleu.perl (BLEU on whitespace tokens, no smoothing).
 
 metrics/eval.json is flat: the test set under plain keys (bleu, chrf,
 bleu_tokenized, signature, chrf_signature), the dev set as valid_bleu,
@@ -31,7 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from sacrebleu.metrics import BLEU, CHRF
-from sacremoses import MosesTokenizer
+from sacremoses import MosesPunctNormalizer, MosesTokenizer
 
 from pipeline import cli, config, tracking
 from pipeline.config import DataConfig, EvaluateConfig
@@ -91,12 +93,21 @@ def split_compounds(tokenized: str) -> str:
 
 def paper_tokenize(lines: list[str], lang: str) -> list[str]:
     """`tokenizer.perl -l lang` (default escaping) then compound splitting, line by line."""
-    moses = MosesTokenizer(lang=lang)
+    moses = MosesTokenizer(lang=lang)  # Paper: tokenizer.perl itself; sacremoses is its Python port
     return [split_compounds(moses.tokenize(line, return_str=True, escape=True)) for line in lines]
 
 
+def replace_unicode_punctuation(lines: list[str], lang: str) -> list[str]:
+    """Moses' replace-unicode-punctuation.perl, line by line: “ ” ’ … 「 」 （ ） ... to ASCII forms."""
+    normalizer = MosesPunctNormalizer(lang=lang)
+    return [normalizer.replace_unicode_punct(line) for line in lines]
+
+
 def tokenized_bleu(hyps: list[str], refs: list[str], lang: str) -> float:
-    """get_ende_bleu.sh: Moses tokenization, ATAT compounds, multi-bleu.perl (no smoothing)."""
+    """get_ende_bleu.sh: unicode punctuation replaced, Moses tokenization, ATAT compounds, multi-bleu.perl."""
+    # Only the hypotheses, as get_ende_bleu.sh does: its reference (newstest.tok.de) was Moses-tokenized
+    # without the replacement, so a typographic quote copied from the source no longer matches one there.
+    hyps = replace_unicode_punctuation(hyps, lang)
     # force: the input is tokenized on purpose; without it sacreBLEU warns "you forgot to detokenize"
     bleu = BLEU(tokenize="none", smooth_method="none", force=True)
     return bleu.corpus_score(paper_tokenize(hyps, lang), [paper_tokenize(refs, lang)]).score

@@ -112,6 +112,7 @@ def train_model(files: list[Path], lines: int, prefix: Path, cfg: TokenizeConfig
     # different models in four runs on 300k of 1M sentences, spm.set_random_generator_seed or not.
     sentences = sample_sentences(files, lines, cfg.input_sentence_size, cfg.seed)
     try:
+        # Paper: BPE (en-de) and word pieces (en-fr) from its authors' tools; here sentencepiece on raw text.
         spm.SentencePieceTrainer.train(
             sentence_iterator=sentences,
             model_prefix=str(prefix),
@@ -156,7 +157,10 @@ def encode(sp: spm.SentencePieceProcessor, lines: list[str]) -> tuple[np.ndarray
 
 
 def drop_reasons(src_len: np.ndarray, tgt_len: np.ndarray, max_len: int, max_len_ratio: float) -> np.ndarray:
-    """Per pair: 0 = keep, else 1 + the index in DROP_REASONS of the first reason that applies."""
+    """Per pair: 0 = keep, else 1 + the index in DROP_REASONS of the first reason that applies.
+
+    # Paper: no training filter is described (conf/config.yaml says why these two).
+    """
     shorter, longer = np.minimum(src_len, tgt_len), np.maximum(src_len, tgt_len)
     return np.select([shorter == 0, longer > max_len, longer > max_len_ratio * shorter], [1, 2, 3], default=0)
 

@@ -89,7 +89,7 @@ def translate_ids(
         raise ParamsError(f"translate.max_len_a = {cfg.max_len_a}, max_len_b = {cfg.max_len_b}: even an empty source's "
                           f"output limit exceeds the model's max_positions = {model.max_positions}")
     lengths = np.fromiter((min(len(s), limit) + 1 for s in sources), dtype=np.int64, count=len(sources))
-    if truncated := sum(len(s) > limit for s in sources):
+    if truncated := sum(len(s) > limit for s in sources):  # Paper: no limit; ours is model.max_positions
         log.warning("%d source sentence(s) longer than %d tokens are cut to fit model.max_positions", truncated, limit)
     outputs: list[list[int]] = [[] for _ in sources]
     with tqdm(total=len(sources), unit="sentence", desc="translate", disable=not progress, mininterval=5) as bar:

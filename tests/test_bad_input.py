@@ -35,7 +35,7 @@ from pipeline.config import DataConfig, ParamsError, TokenizeConfig, TrainConfig
 from stages.tokenize import tokenize
 from tests.http_fixtures import FileServer
 from tests.pipeline_fixtures import ROOT
-from tests.train_fixtures import stage_args
+from tests.train_fixtures import TRAIN, stage_args
 from tests.train_fixtures import write_corpus as write_train_corpus
 from tests.train_fixtures import write_params as write_train_params
 from tests.translation_fixtures import MODEL_CONFIG, save_model, sentence_pairs, write_lines
@@ -290,7 +290,7 @@ def test_truncated_token_ids_are_refused_by_the_batch_stage_naming_the_file(tmp_
     tokenized, _ = write_train_corpus(tmp_path / "corpus")
     ids = tokenized / "train.en.ids"
     ids.write_bytes(ids.read_bytes()[:-6])
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"batch": {"max_tokens": 24, "seed": 1}}))
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"batch": {"max_tokens": 24, "seed": 1}, "train": TRAIN}))
     with pytest.raises(ValueError, match=r"train\.en\.offsets: offsets do not describe .*train\.en\.ids"):
         batch.main(["--tokenized", str(tokenized), "--out", str(tmp_path / "batches"),
                     "--metrics", str(tmp_path / "batch.json"), "--params", str(tmp_path / "params.yaml")])

@@ -142,3 +142,19 @@ def test_a_line_count_mismatch_is_refused_and_the_old_metrics_stay(tmp_path):
 def test_a_missing_translation_file_is_named(tmp_path):
     with pytest.raises(evaluate.EvaluateError, match=r"translations/valid\.de: missing"):
         run(tmp_path, {"test": HYPS["test"]})
+
+
+def test_tokenized_bleu_replaces_unicode_punctuation_in_the_hypotheses_only():
+    """get_ende_bleu.sh runs replace-unicode-punctuation.perl on the hypotheses, not on its reference: a
+    hypothesis that copies the reference's typographic quotes, apostrophe and ellipsis loses those matches;
+    the en dash is not in the script's list and still matches."""
+    ref = ["Er sagte gestern: “Das ist Peter’s Haus in der Stadt” – und ging dann … langsam nach Hause."]
+    assert evaluate.replace_unicode_punctuation(ref, "de") == [
+        'Er sagte gestern: "Das ist Peter\'s Haus in der Stadt" – und ging dann ... langsam nach Hause.']
+    hyp_tokens = evaluate.paper_tokenize(evaluate.replace_unicode_punctuation(ref, "de"), "de")[0].split()
+    ref_tokens = evaluate.paper_tokenize(ref, "de")[0].split()
+    assert "–" in hyp_tokens and "–" in ref_tokens and "&quot;" in hyp_tokens and "“" in ref_tokens
+    assert 0 < evaluate.tokenized_bleu(ref, ref, "de") < 60  # the same text, scored as the paper's script scores it
+    ascii_ref = evaluate.replace_unicode_punctuation(ref, "de")
+    assert evaluate.tokenized_bleu(ascii_ref, ascii_ref, "de") == pytest.approx(100.0)
+    assert evaluate.tokenized_bleu(ascii_ref, ref, "de") == evaluate.tokenized_bleu(ref, ref, "de")
