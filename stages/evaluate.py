@@ -18,10 +18,11 @@ scored against the raw references data/raw/{split}.{tgt}:
 
 metrics/eval.json is flat: the test set under plain keys (bleu, chrf,
 bleu_tokenized, signature, chrf_signature), the dev set as valid_bleu,
-valid_chrf, valid_bleu_tokenized. The last line on stdout is
-`BLEU = xx.x (sacreBLEU signature: ...)`. A hypothesis file that is empty or
-whose line count differs from its reference is an error, and no metrics are
-written. The MLflow run keeps the hypotheses and references scored
+valid_chrf, valid_bleu_tokenized, each as sacreBLEU prints it (2 decimals:
+100.0 when hypothesis and reference agree, not 100.00000000000004). The last
+line on stdout is `BLEU = xx.x (sacreBLEU signature: ...)`. A hypothesis file
+that is empty or whose line count differs from its reference is an error, and
+no metrics are written. The MLflow run keeps the hypotheses and references scored
 (artifacts `hypotheses/` and `references/`), for `python -m tools.compare`.
 """
 
@@ -33,6 +34,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from sacrebleu.metrics import BLEU, CHRF
+from sacrebleu.metrics.base import Score
 from sacremoses import MosesPunctNormalizer, MosesTokenizer
 
 from pipeline import cli, config, tracking
@@ -103,6 +105,11 @@ def replace_unicode_punctuation(lines: list[str], lang: str) -> list[str]:
     return [normalizer.replace_unicode_punct(line) for line in lines]
 
 
+def printed(score: Score) -> float:
+    """A score as sacreBLEU prints it (Score.format's default width: 2 decimals): 100.0, not 100.00000000000004."""
+    return float(score.format(score_only=True))
+
+
 def tokenized_bleu(hyps: list[str], refs: list[str], lang: str) -> float:
     """get_ende_bleu.sh: unicode punctuation replaced, Moses tokenization, ATAT compounds, multi-bleu.perl."""
     # Only the hypotheses, as get_ende_bleu.sh does: its reference (newstest.tok.de) was Moses-tokenized
@@ -110,7 +117,7 @@ def tokenized_bleu(hyps: list[str], refs: list[str], lang: str) -> float:
     hyps = replace_unicode_punctuation(hyps, lang)
     # force: the input is tokenized on purpose; without it sacreBLEU warns "you forgot to detokenize"
     bleu = BLEU(tokenize="none", smooth_method="none", force=True)
-    return bleu.corpus_score(paper_tokenize(hyps, lang), [paper_tokenize(refs, lang)]).score
+    return printed(bleu.corpus_score(paper_tokenize(hyps, lang), [paper_tokenize(refs, lang)]))
 
 
 def score(hyps: list[str], refs: list[str], lang: str, tokenize: str) -> Scores:
@@ -118,8 +125,8 @@ def score(hyps: list[str], refs: list[str], lang: str, tokenize: str) -> Scores:
     bleu, chrf = BLEU(tokenize=tokenize), CHRF()
     bleu_score, chrf_score = bleu.corpus_score(hyps, [refs]), chrf.corpus_score(hyps, [refs])
     return Scores(
-        bleu=bleu_score.score,
-        chrf=chrf_score.score,
+        bleu=printed(bleu_score),
+        chrf=printed(chrf_score),
         bleu_tokenized=tokenized_bleu(hyps, refs, lang),
         signature=str(bleu.get_signature()),
         chrf_signature=str(chrf.get_signature()),
