@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = config.load(args.params, "average", AverageConfig)
     if cfg.last_n < 1:
         raise ParamsError(f"{args.params}: average.last_n = {cfg.last_n}: expected at least 1")
-    with tracking.stage_run("average", args.params) as run:
+    with tracking.stage_run("average", args) as run:
         run.log_params({"average": asdict(cfg)})
         paths = select_checkpoints(args.checkpoints, cfg.last_n)
         averaged = average_checkpoints(paths)

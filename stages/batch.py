@@ -51,11 +51,12 @@ metrics/train.json records the same over the steps it ran). Sec. 5.1 asks for
 from __future__ import annotations
 
 import logging
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 
-from pipeline import cli, config, steps
+from pipeline import cli, config, steps, tracking
 from pipeline.config import BatchConfig, TrainConfig
 from pipeline.formats import BATCHED_SPLITS, Ragged, batch_paths, load_split, read_meta
 from pipeline.files import atomic_dir, write_json
@@ -147,15 +148,13 @@ def step_stats(S: np.ndarray, T: np.ndarray, batches: Ragged, batches_per_step: 
     return stats
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = cli.start(__doc__, argv, "tokenized", "out", "metrics")
-    cfg = config.load(args.params, "batch", BatchConfig)
-    train = config.load(args.params, "train", TrainConfig)
-    batches_per_step = train.devices * steps.grad_accumulation(train.tokens_per_step, cfg.max_tokens, train.devices)
+def write_batches(tokenized: Path, out: Path, metrics_path: Path, cfg: BatchConfig, batches_per_step: int,
+                  seed: int) -> dict[str, float]:
+    """Batch the train and valid splits into `out` and write their metrics (both atomically); return the metrics."""
     metrics: dict[str, float] = {"max_tokens": cfg.max_tokens}
-    with atomic_dir(args.out) as tmp:
+    with atomic_dir(out) as tmp:
         for split in BATCHED_SPLITS:
-            S, T = model_lengths(args.tokenized, split)
+            S, T = model_lengths(tokenized, split)
             batches = make_batches(S, T, cfg.max_tokens, cfg.seed, split)
             index_path, bounds_path = batch_paths(tmp, split)
             np.save(index_path, batches.values)
@@ -165,14 +164,26 @@ def main(argv: list[str] | None = None) -> None:
                      stats.get("padding_efficiency"))
             if split == "train":
                 metrics |= stats | {"num_batches": len(batches)}
-                metrics |= step_stats(S, T, batches, batches_per_step, train.seed)
+                metrics |= step_stats(S, T, batches, batches_per_step, seed)
                 log.info("train: %d batches a step, real tokens a step: source %.0f, target %.0f (mean)",
                          batches_per_step, metrics["src_tokens_per_step_mean"], metrics["tgt_tokens_per_step_mean"])
             else:
                 metrics[f"{split}_num_batches"] = len(batches)
                 if stats:
                     metrics[f"{split}_padding_efficiency"] = stats["padding_efficiency"]
-        write_json(args.metrics, metrics)  # inside atomic_dir: a failure here keeps the old batches too
+        write_json(metrics_path, metrics)  # inside atomic_dir: a failure here keeps the old batches too
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = cli.start(__doc__, argv, "tokenized", "out", "metrics")
+    cfg = config.load(args.params, "batch", BatchConfig)
+    train = config.load(args.params, "train", TrainConfig)
+    batches_per_step = train.devices * steps.grad_accumulation(train.tokens_per_step, cfg.max_tokens, train.devices)
+    with tracking.stage_run("batch", args) as run:
+        run.log_params({"batch": asdict(cfg), "train": {"devices": train.devices, "tokens_per_step":
+                        train.tokens_per_step, "seed": train.seed}})
+        run.log_results(write_batches(args.tokenized, args.out, args.metrics, cfg, batches_per_step, train.seed))
 
 
 if __name__ == "__main__":

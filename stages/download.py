@@ -27,14 +27,14 @@ import logging
 import re
 import urllib.parse
 import zlib
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, TextIO
 
 import requests
 from tqdm import tqdm
 
-from pipeline import cli
+from pipeline import cli, tracking
 from pipeline.config import ParallelCorpus, DataConfig, FileSource, ParamsError, load
 from pipeline.formats import SPLITS
 from pipeline.fetch import (
@@ -304,22 +304,26 @@ def main(argv: list[str] | None = None) -> None:
     check_params(data)
     mirror = mirror_from_env()
     cache = args.cache or args.out.parent / ".cache" / "download"
-    with requests.Session() as session:
-        local = fetch_all(data, cache, mirror, session)
-    check_languages(data, local)
+    with tracking.stage_run("download", args) as run:
+        run.log_params({"data": asdict(data)})
+        with requests.Session() as session:
+            local = fetch_all(data, cache, mirror, session)
+        check_languages(data, local)
 
-    metrics: dict[str, int | str] = {}
-    with atomic_dir(args.out) as tmp:
-        for split in SPLITS:
-            langs = (data.src_lang, data.tgt_lang)
-            counts = write_split(getattr(data, split), local, *(tmp / f"{split}.{lang}" for lang in langs))
-            metrics[f"{split}_lines"] = sum(counts.values())
-            metrics.update({f"lines/{name}": n for name, n in counts.items()})
-            log.info("%s: %d lines (%s)", split, sum(counts.values()), ", ".join(f"{k} {v}" for k, v in counts.items()))
-        for _, corpus, side, source in iter_sources(data):
-            if source.sha256 is None:
-                metrics[f"sha256_seen/{corpus.name}/{side}"] = local[source].sha256
-        write_json(args.metrics, metrics)  # inside atomic_dir: a failure here keeps the old data/raw too
+        metrics: dict[str, int | str] = {}
+        with atomic_dir(args.out) as tmp:
+            for split in SPLITS:
+                langs = (data.src_lang, data.tgt_lang)
+                counts = write_split(getattr(data, split), local, *(tmp / f"{split}.{lang}" for lang in langs))
+                metrics[f"{split}_lines"] = sum(counts.values())
+                metrics.update({f"lines/{name}": n for name, n in counts.items()})
+                log.info("%s: %d lines (%s)", split, sum(counts.values()),
+                         ", ".join(f"{k} {v}" for k, v in counts.items()))
+            for _, corpus, side, source in iter_sources(data):
+                if source.sha256 is None:
+                    metrics[f"sha256_seen/{corpus.name}/{side}"] = local[source].sha256
+            write_json(args.metrics, metrics)  # inside atomic_dir: a failure here keeps the old data/raw too
+        run.log_results(metrics)
 
 
 if __name__ == "__main__":

@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
     args = cli.start(__doc__, argv, "translations", "raw", "metrics")
     cfg = config.load(args.params, "evaluate", EvaluateConfig)
     lang = config.load(args.params, "data", DataConfig).tgt_lang
-    with tracking.stage_run("evaluate", args.params) as run:
+    with tracking.stage_run("evaluate", args) as run:
         run.log_params({"evaluate": asdict(cfg), "data": {"tgt_lang": lang}})
         metrics = score_splits(args.translations, args.raw, lang, cfg.tokenize)
         for split in DECODED_SPLITS:  # what tools.compare tests for significance, with the reference it was scored on

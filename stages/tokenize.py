@@ -29,6 +29,7 @@ import itertools
 import logging
 import os
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Iterator
 
@@ -37,7 +38,7 @@ import sentencepiece as spm
 from sentencepiece import sentencepiece_model_pb2
 from tqdm import tqdm
 
-from pipeline import cli, config
+from pipeline import cli, config, tracking
 from pipeline.config import DataConfig, ParamsError, TokenizeConfig
 from pipeline.formats import BOS_ID, EOS_ID, ID_DTYPE, OFFSET_DTYPE, PAD_ID, SPLITS, UNK_ID, split_paths
 from pipeline.files import InputError, atomic_dir, count_lines, write_json
@@ -262,7 +263,9 @@ def main(argv: list[str] | None = None) -> None:
     data = config.load(args.params, "data", DataConfig)
     cfg = config.load(args.params, "tokenize", TokenizeConfig)
     check_config(cfg, args.params)
-    tokenize(args.raw, args.out, (data.src_lang, data.tgt_lang), cfg, args.metrics)
+    with tracking.stage_run("tokenize", args) as run:
+        run.log_params({"tokenize": asdict(cfg), "data": {"src_lang": data.src_lang, "tgt_lang": data.tgt_lang}})
+        run.log_results(tokenize(args.raw, args.out, (data.src_lang, data.tgt_lang), cfg, args.metrics))
 
 
 if __name__ == "__main__":

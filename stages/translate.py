@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     meta = read_meta(args.tokenized)
     langs = (meta["src_lang"], meta["tgt_lang"])
-    with tracking.stage_run("translate", args.params) as run:
+    with tracking.stage_run("translate", args) as run:
         run.log_params({"translate": asdict(cfg)})
         start = time.perf_counter()
         translations = {split: translate_split(model, sp, args.tokenized, args.raw, split, langs, cfg)

@@ -21,6 +21,7 @@ from pipeline import fetch
 from stages import download
 from pipeline.config import ParamsError, load_all
 from tests.http_fixtures import FileServer
+from tests.translation_fixtures import shared_store, store  # noqa: F401 (fixtures: one MLflow store per module)
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -376,7 +376,8 @@ def test_eight_processes_share_every_batch_once_agree_and_only_rank_0_writes(tmp
     trace_dir = tmp_path / "trace"
     trace_dir.mkdir()
     db = tmp_path / "mlflow.db"
-    out = torchrun(tmp_path, params, 8, STAGES_TRAIN_TRACE=str(trace_dir), MLFLOW_TRACKING_URI=f"sqlite:///{db}")
+    out = torchrun(tmp_path, params, 8, STAGES_TRAIN_TRACE=str(trace_dir), MLFLOW_TRACKING_URI=f"sqlite:///{db}",
+                   DVC_STAGE="train", DVC_ROOT=str(tmp_path))  # as `dvc repro` runs it: a child of a pipeline run
     assert out.returncode == 0, out.stderr[-3000:]
     num_batches = len(load_batches(tmp_path / "batches", "train"))
     traces = [[json.loads(line) for line in (trace_dir / f"rank{r}.jsonl").read_text().splitlines()] for r in range(8)]

@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     cli.setup_logging()
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(args.tracking_uri or tracking.tracking_uri("params.yaml"))
+    client = MlflowClient(args.tracking_uri or tracking.tracking_uri())
     with tempfile.TemporaryDirectory() as work:
         try:
             runs = [scored(client, key, args.split, Path(work)) for key in (args.a, args.b)]
