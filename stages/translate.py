@@ -10,8 +10,9 @@ at most max_tokens // beam_size sentences (so that the decoder's beam_size rows
 per sentence stay within max_tokens rows too); each batch is one batched beam
 search (model/beam_search.py). Outputs go back to the original order, are
 detokenized with the sentencepiece model, and written (both splits at once,
-atomically) as data/translations/{split}.{tgt}: line i translates source line i,
-an empty source line included. data/raw is read only to check that the encoded
+atomically) as data/translations/{split}.{tgt}: line i translates source line i.
+An empty source line (or one that encodes to no pieces) is not decoded: its
+translation is an empty line, in the files and on stdout. data/raw is read only to check that the encoded
 splits still match it line for line.
 
 Interactive / piped use, same model, search and params:
@@ -92,8 +93,11 @@ def translate_ids(
     if truncated := sum(len(s) > limit for s in sources):  # Paper: no limit; ours is model.max_positions
         log.warning("%d source sentence(s) longer than %d tokens are cut to fit model.max_positions", truncated, limit)
     outputs: list[list[int]] = [[] for _ in sources]
+    nonempty = np.flatnonzero(np.fromiter((len(s) > 0 for s in sources), dtype=bool, count=len(sources)))
     with tqdm(total=len(sources), unit="sentence", desc="translate", disable=not progress, mininterval=5) as bar:
-        for batch in decoding_batches(lengths, cfg.max_tokens, max(1, cfg.max_tokens // cfg.beam_size)):
+        bar.update(len(sources) - len(nonempty))  # an empty line is not decoded: its translation is empty
+        for batch in decoding_batches(lengths[nonempty], cfg.max_tokens, max(1, cfg.max_tokens // cfg.beam_size)):
+            batch = nonempty[batch]
             rows = [torch.from_numpy(np.append(sources[i][:limit].astype(np.int64), EOS_ID)) for i in batch]
             src = pad_sequence(rows, batch_first=True, padding_value=PAD_ID).to(device)  # [B, S]
             hyps = beam_search(model, src, cfg.beam_size, cfg.length_penalty, cfg.max_len_a, cfg.max_len_b,
