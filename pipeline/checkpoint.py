@@ -158,7 +158,9 @@ def resume_point(directory: str | Path, params_hash: str) -> tuple[Path, dict] |
     Unsealed or corrupt files newer than the one resumed are deleted (a run
     would overwrite them anyway, and they would outlive newer ones in the
     rotation). When nothing can be resumed, all step files move to
-    `<directory>.stale/<time>/`, logged, so a fresh run starts from an empty directory.
+    `<directory>.stale/<time>/`, logged, so a fresh run starts from an empty directory;
+    only that last set is kept: what earlier changes set aside is deleted, logged
+    (each set is a run's worth of checkpoints: ~800 MB for the base model).
     """
     directory = Path(directory)
     for tmp in directory.glob(".step_*.tmp") if directory.is_dir() else []:  # a write killed before its rename
@@ -176,7 +178,14 @@ def resume_point(directory: str | Path, params_hash: str) -> tuple[Path, dict] |
         return newest, payload
     old = step_files(directory)
     if old:
-        aside = directory.with_name(f"{directory.name}.stale") / time.strftime("%Y%m%d-%H%M%S")
+        stale = directory.with_name(f"{directory.name}.stale")
+        for earlier in sorted(stale.iterdir()) if stale.is_dir() else []:
+            log.warning("deleting %s, set aside by an earlier params change (only the last set is kept)", earlier)
+            if earlier.is_dir() and not earlier.is_symlink():
+                shutil.rmtree(earlier)
+            else:
+                earlier.unlink()
+        aside = stale / time.strftime("%Y%m%d-%H%M%S")
         aside.mkdir(parents=True, exist_ok=True)
         for _, path in old:
             for p in (path, sidecar(path)):
