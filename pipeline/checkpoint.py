@@ -35,7 +35,8 @@ import torch
 from model.config import ModelConfig
 from model.transformer import Transformer
 from pipeline import faults
-from pipeline.files import atomic_file, write_text
+from pipeline.errors import PipelineError
+from pipeline.files import InputError, atomic_file, write_text
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ SIDECAR_SUFFIX = ".sha256"
 HASH_CHUNK = 1 << 22
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(PipelineError):
     """A checkpoint cannot be read; the message names the file."""
 
 
@@ -135,20 +136,32 @@ def load_checkpoint(path: str | Path) -> dict:
     except FileNotFoundError:
         raise CheckpointError(f"{path}: checkpoint not found") from None
     except Exception as e:
-        raise CheckpointError(f"{path}: cannot load checkpoint: {e}") from e
+        raise CheckpointError(f"{path}: cannot load checkpoint: {_reason(e)}") from e
     if not isinstance(payload, dict) or "model" not in payload:
         raise CheckpointError(f"{path}: not a training checkpoint (expected a dict with 'model')")
     return payload
+
+
+def _reason(e: Exception) -> str:
+    """torch.load's error in one line: for a weights_only refusal, what it refused (its message runs to ten lines)."""
+    text = str(e)
+    if "WeightsUnpickler error:" in text:
+        refused = text.split("WeightsUnpickler error:", 1)[1].strip().split("\n\n")[0].split(". ")[0]
+        text = f"weights only load failed: {refused} (not a checkpoint of this pipeline, or a corrupt one)"
+    return " ".join(text.split()) or f"{type(e).__name__} (an empty or truncated file?)"
 
 
 def load_model(model_dir: str | Path, device: torch.device) -> Transformer:
     """The averaged model of <model_dir>/model.pt (the average stage's output), in eval mode on `device`."""
     path = Path(model_dir) / "model.pt"
     if not path.exists():
-        raise FileNotFoundError(f"{path}: missing; run the average stage first")
+        raise InputError(f"{path}: missing; run the average stage first")
     saved = load_checkpoint(path)  # torch.load(weights_only=True); a refusal names the file
-    model = Transformer(ModelConfig(**saved["model_config"]), saved["vocab_size"])
-    model.load_state_dict(saved["model"])
+    try:
+        model = Transformer(ModelConfig(**saved["model_config"]), saved["vocab_size"])
+        model.load_state_dict(saved["model"])
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"{path}: not a model the average stage wrote ({type(e).__name__}: {e})") from e
     return model.to(device).eval()
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from model import flops as flops_lib
+from pipeline.config import ParamsError
 
 log = logging.getLogger(__name__)
 
@@ -48,12 +50,12 @@ def setup(devices: int) -> Dist:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     if world != devices:
-        raise ValueError(
-            f"train.devices={devices} but {world} process(es) were started; run "
-            f"`torchrun --standalone --nproc_per_node={devices} -m stages.train ...` (as dvc.yaml does)")
+        raise ParamsError(
+            f"train.devices={devices} but {world} process(es) were started; run `python -m stages.train ...` "
+            f"(as dvc.yaml does: it starts train.devices processes) or `torchrun --nproc_per_node={devices} ...`")
     if torch.cuda.is_available():
         if devices > torch.cuda.device_count():
-            raise ValueError(f"train.devices={devices} but this machine has {torch.cuda.device_count()} GPU(s)")
+            raise ParamsError(f"train.devices={devices} but this machine has {torch.cuda.device_count()} GPU(s)")
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         backend = "nccl"
@@ -64,6 +66,38 @@ def setup(devices: int) -> Dist:
     if world > 1:
         dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
     return Dist(rank, world, local_rank, device)
+
+
+def launched_by_torchrun() -> bool:
+    """True in a process torchrun started (it sets LOCAL_RANK), False in the command a user or DVC ran."""
+    return "LOCAL_RANK" in os.environ
+
+
+def launch(devices: int, module: str, args: list[str]) -> None:
+    """Run `python -m module args` in `devices` processes, as `torchrun --standalone` does; exit as they did on a failure.
+
+    torchrun itself would end a failure with its own traceback and banner, burying the
+    process's message; here the last line is that message (the `<stage>: error: ...` line
+    pipeline.cli.run recorded in TORCHELASTIC_ERROR_FILE), or which process failed and how.
+    """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed")]:
+        logging.getLogger(name).setLevel(logging.CRITICAL)  # torchrun's own notices and its failure report
+    try:
+        run(parse_args(["--standalone", f"--nproc_per_node={devices}", "-m", module, *args]))
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        line = failure.error_file_data.get("message")
+        if not isinstance(line, str):  # no line recorded: a crash, with its traceback above
+            how = f"was killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exited with {failure.exitcode}"
+            line = f"{module.rsplit('.', 1)[-1]}: error: process {rank} of {devices} {how}; its output is above"
+        print(line, file=sys.stderr, flush=True)
+        sys.exit(failure.exitcode if failure.exitcode > 0 else 1)
+    except SignalException as e:  # Ctrl-C or a kill: each process says where it stopped
+        sys.exit(128 + e.sigval)
 
 
 def teardown(ctx: Dist) -> None:

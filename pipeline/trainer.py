@@ -183,6 +183,8 @@ class Trainer:
         self.phash, self.checkpoints, self.plot = phash, checkpoints, plot
         self._order: tuple[int, np.ndarray] = (-1, np.zeros(0, np.int64))  # (epoch, its batch order)
         self.stopped_by_time = False
+        self.saved_step: int | None = None  # the newest checkpoint written or resumed from
+        self.bar: tqdm | None = None
         self.accum = steps.grad_accumulation(cfg.tokens_per_step, max_tokens, ctx.world)
         log.info("%d device(s) x %d micro-batch(es) of <= %d tokens per step (train.tokens_per_step = %d); "
                  "%d train batches per epoch", ctx.world, self.accum, max_tokens, cfg.tokens_per_step,
@@ -219,6 +221,7 @@ class Trainer:
         ckpt.restore_rng(state["rng"][self.ctx.rank])
         progress = Progress(**state["progress"])
         log.info("resuming from step %d (%s)", progress.step, path)
+        self.saved_step = progress.step
         self.run.set_tags({"resumed_from_step": progress.step})
         return progress
 
@@ -234,6 +237,7 @@ class Trainer:
                 "train_tokens": p.train_tokens, "progress": asdict(p),
             }
             log.info("step %d: saved %s", p.step, ckpt.save_checkpoint(self.checkpoints, state, self.cfg.keep_checkpoints))
+            self.saved_step = p.step
 
     def record(self, row: list) -> None:
         """Append a plot row (step, loss, lr, tokens_per_second, valid_ppl) and rewrite the CSV."""
@@ -292,6 +296,16 @@ class Trainer:
             self.stopped_by_time = True
         return done or out_of_time, due
 
+    def interrupted(self) -> str:
+        """After Ctrl-C: end the progress line; say at which step training stopped and what a re-run continues from."""
+        if self.bar is not None:
+            self.bar.close()
+        if self.saved_step is None:
+            return (f"stopped at step {self.progress.step}, before the first checkpoint; "
+                    "the same command (or `dvc repro`) starts training again")
+        return (f"stopped at step {self.progress.step}; the same command (or `dvc repro`) resumes from the newest "
+                f"checkpoint, step {self.saved_step}")
+
     def fit(self) -> dict:
         """Step until max_steps (or the max_minutes safety stop); evaluate, log and checkpoint on the way; return the metrics."""
         p, cfg, ctx = self.progress, self.cfg, self.ctx
@@ -300,7 +314,7 @@ class Trainer:
         interval = torch.zeros(2, dtype=torch.float64, device=ctx.device)  # loss sum, tokens since the last row
         interval_seconds, interval_tokens, saved_at = 0.0, 0, p.step
         start, last_save = time.monotonic() - p.elapsed_seconds, time.monotonic()
-        bar = tqdm(total=cfg.max_steps, initial=p.step, disable=not ctx.is_main, unit="step", dynamic_ncols=True)
+        bar = self.bar = tqdm(total=cfg.max_steps, initial=p.step, disable=not ctx.is_main, unit="step", dynamic_ncols=True)
         stop, _ = self.decide(0.0)
         while not stop:
             t0 = time.perf_counter()
@@ -319,7 +333,7 @@ class Trainer:
             if evaluated:
                 faults.inject("validation", p.step)  # tests only: TRANSFORMER_FAULT=validation@N kills the process here
                 self.validate()
-            if evaluated or p.step % max(cfg.log_every, 1) == 0:
+            if evaluated or p.step % cfg.log_every == 0:
                 loss, tokens = distributed.all_sum(interval, ctx).tolist()
                 row_loss, tok_s = (loss / tokens if tokens else None), interval_tokens / interval_seconds
                 self.record([p.step, row_loss, lr, tok_s, p.valid["valid_ppl"] if evaluated else None])

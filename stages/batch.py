@@ -57,9 +57,9 @@ from pathlib import Path
 import numpy as np
 
 from pipeline import cli, config, steps, tracking
-from pipeline.config import BatchConfig, TrainConfig
+from pipeline.config import BatchConfig, ParamsError, TrainConfig
 from pipeline.formats import BATCHED_SPLITS, Ragged, batch_paths, load_split, read_meta
-from pipeline.files import atomic_dir, write_json
+from pipeline.files import InputError, atomic_dir, write_json
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ def model_lengths(tokenized: str | Path, split: str) -> tuple[np.ndarray, np.nda
     meta = read_meta(tokenized)
     src, tgt = load_split(tokenized, split, meta["src_lang"]), load_split(tokenized, split, meta["tgt_lang"])
     if len(src) != len(tgt):
-        raise ValueError(f"{tokenized}: {split} has {len(src)} source but {len(tgt)} target sentences")
+        raise InputError(f"{tokenized}: {split} has {len(src)} source but {len(tgt)} target sentences")
     return src.lengths + 1, tgt.lengths + 1
 
 
@@ -77,7 +77,7 @@ def check_fits(S: np.ndarray, T: np.ndarray, max_tokens: int, split: str) -> Non
     too_long = np.flatnonzero(np.maximum(S, T) > max_tokens)
     if len(too_long):
         i = int(too_long[0])
-        raise ValueError(
+        raise ParamsError(
             f"{split} pair {i} ({S[i]} source, {T[i]} target tokens with EOS/BOS) is longer than "
             f"batch.max_tokens = {max_tokens} by itself ({len(too_long)} such pairs): raise batch.max_tokens "
             "or lower tokenize.max_len"
@@ -187,4 +187,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

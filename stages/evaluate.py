@@ -39,6 +39,7 @@ from sacremoses import MosesPunctNormalizer, MosesTokenizer
 
 from pipeline import cli, config, tracking
 from pipeline.config import DataConfig, EvaluateConfig
+from pipeline.errors import PipelineError
 from pipeline.files import write_json
 from pipeline.formats import DECODED_SPLITS
 
@@ -49,7 +50,7 @@ log = logging.getLogger(__name__)
 COMPOUND = re.compile(r"(\S)-(\S)", re.ASCII)
 
 
-class EvaluateError(ValueError):
+class EvaluateError(PipelineError):
     """Translations and references do not line up; the message names the files."""
 
 
@@ -169,4 +170,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

@@ -49,17 +49,9 @@ from pipeline import cli, config, tracking
 from pipeline.checkpoint import load_model
 from pipeline.config import ParamsError, TranslateConfig
 from pipeline.formats import BOS_ID, DECODED_SPLITS, EOS_ID, PAD_ID, load_spm, load_split, read_meta
-from pipeline.files import atomic_dir, count_lines, write_text
+from pipeline.files import InputError, atomic_dir, count_lines, write_text
 
 log = logging.getLogger(__name__)
-
-def check_config(cfg: TranslateConfig, params: Path) -> None:
-    """Reject values the search cannot use, naming the key."""
-    for key, value, least in (("beam_size", cfg.beam_size, 1), ("max_tokens", cfg.max_tokens, 1),
-                              ("max_len_a", cfg.max_len_a, 0), ("max_len_b", cfg.max_len_b, 0)):
-        if value < least:
-            raise ParamsError(f"{params}: translate.{key} = {value}: expected at least {least}")
-
 
 def max_source_len(max_positions: int, cfg: TranslateConfig) -> int:
     """Longest source (EOS included) that fits the positional encoding, and whose output limit fits too."""
@@ -119,9 +111,9 @@ def translate_split(model: Transformer, sp: spm.SentencePieceProcessor, tokenize
     sources = load_split(tokenized, split, langs[0])
     raw_path = raw / f"{split}.{langs[0]}"
     if not raw_path.exists():
-        raise FileNotFoundError(f"{raw_path}: missing; run the download stage first")
+        raise InputError(f"{raw_path}: missing; run the download stage first")
     if (n := count_lines(raw_path)) != len(sources):
-        raise ValueError(f"{tokenized}: {split}.{langs[0]} holds {len(sources)} sentences but {raw_path} has {n} "
+        raise InputError(f"{tokenized}: {split}.{langs[0]} holds {len(sources)} sentences but {raw_path} has {n} "
                          "lines; re-run the tokenize stage")
     start = time.perf_counter()
     lines = detokenize(sp, translate_ids(model, sources, cfg))
@@ -169,7 +161,6 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--raw and --out are required unless --stdin is given")
     cli.setup_logging()
     cfg = config.load(args.params, "translate", TranslateConfig)
-    check_config(cfg, args.params)
     if "OMP_NUM_THREADS" not in os.environ:  # an explicit setting wins
         torch.set_num_threads(os.cpu_count() or 1)
     model = load_model(args.model, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
@@ -194,4 +185,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)
