@@ -47,7 +47,7 @@ def select_checkpoints(directory: Path, last_n: int) -> list[Path]:
         found = ", ".join(p.name for p in complete) or "none"
         raise AverageError(
             f"{directory}: average.last_n = {last_n} but only {len(complete)} complete checkpoint(s) ({found}); "
-            "train longer or lower average.last_n"
+            "train longer, keep more (train.keep_checkpoints) or lower average.last_n"
         )
     return complete[-last_n:]
 
