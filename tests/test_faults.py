@@ -383,7 +383,7 @@ def pipeline(tmp_path_factory):
     """
     root = tmp_path_factory.mktemp("pipeline")
     repo = make_repo(root / "repo")
-    (repo / ".gitignore").write_text("/data/.cache/\n/mlflow.db\n/mlartifacts/\n")
+    (repo / ".gitignore").write_text("/data/.cache/\n/data/checkpoints/\n/mlflow.db\n/mlartifacts/\n")
     server = MlflowServer(root / "server.db").launch()
     record: dict = {"repo": repo, "server_db": root / "server.db"}
     www = root / "www"
@@ -420,6 +420,10 @@ def pipeline(tmp_path_factory):
             server.stop()
             record["resumed"] = finish(resumed, root / "resumed.log")
             record["leftovers"] = sorted(p.name for p in (repo / "data" / "checkpoints").glob(".*"))
+            record["cached"] = {p.parent.name + p.name for p in (repo / ".dvc" / "cache" / "files" / "md5").rglob("*")
+                                if p.is_file()}
+            record["md5"] = {p: hashlib.md5(p.read_bytes()).hexdigest()
+                             for p in [*(repo / "data" / "checkpoints").glob("step_*.pt"), repo / "data" / "model" / "model.pt"]}
 
         straight = root / "straight"
         for name in ("tokenized", "batches"):
@@ -434,8 +438,9 @@ def pipeline(tmp_path_factory):
         for key, value in (("user.name", "Test"), ("user.email", "test@example.org")):  # dvc commits experiments
             subprocess.run(["git", "config", key, value], cwd=repo, check=True)
         queue_env = pipeline_env()  # no MLFLOW_TRACKING_URI: the default store, mlflow.db at the repo root
-        record["queued"] = [dvc(repo, "exp", "run", "--queue", "-S", f"translate.beam_size={b}", env=queue_env)
-                            for b in (1, 2)]
+        # -C: the checkpoints are not in DVC's cache, so a queued copy of the repo has them only when copied
+        record["queued"] = [dvc(repo, "exp", "run", "--queue", "-C", "data/checkpoints", "-S", f"translate.beam_size={b}",
+                                env=queue_env) for b in (1, 2)]
         dvc(repo, "queue", "start", "-j", "1", env=queue_env)
         deadline = time.monotonic() + 600
         while True:
@@ -505,6 +510,19 @@ def test_training_killed_inside_dvc_repro_resumes_there_to_the_same_weights(pipe
     weights = final_weights(pipeline["repo"] / "data" / "checkpoints")
     assert weights.keys() == pipeline["straight_weights"].keys()
     assert all(torch.equal(weights[k], pipeline["straight_weights"][k]) for k in weights)
+
+
+@pytest.mark.slow
+def test_checkpoints_stay_out_of_the_dvc_cache_and_the_averaged_model_goes_in(pipeline):
+    """dvc.yaml: data/checkpoints is `cache: false` (GBs at the paper's scale), data/model is cached."""
+    model = pipeline["repo"] / "data" / "model" / "model.pt"
+    checkpoints = {p: md5 for p, md5 in pipeline["md5"].items() if p != model}
+    assert len(checkpoints) >= 2
+    assert not set(checkpoints.values()) & pipeline["cached"]
+    assert pipeline["md5"][model] in pipeline["cached"]
+    lock = yaml.safe_load((pipeline["repo"] / "dvc.lock").read_text())["stages"]
+    written = {o["path"]: o["md5"] for o in lock["train"]["outs"]}  # still recorded in dvc.lock, uncached
+    assert {d["path"]: d["md5"] for d in lock["average"]["deps"]}["data/checkpoints"] == written["data/checkpoints"]
 
 
 @pytest.mark.slow
