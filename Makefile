@@ -9,7 +9,7 @@ export DVC_NO_ANALYTICS := 1
 export MLFLOW_DISABLE_TELEMETRY := true
 export DO_NOT_TRACK := 1
 
-.PHONY: install run test bench clean ui inspect
+.PHONY: install run test bench clean ui inspect multinode-smoke gpu-check
 
 install: $(VENV)/.installed
 
@@ -33,6 +33,14 @@ bench: install
 
 inspect: install
 	$(BIN)/python -m tools.inspect $(P)
+
+# Two torchrun "nodes" over 127.0.0.1 against one process; last line: max |w_2node - w_1proc| = X
+multinode-smoke: install
+	$(BIN)/python -m tests.multinode_smoke
+
+# base and big training steps and beam-4 decoding on the GPU (exits 0 saying so without CUDA)
+gpu-check: install
+	$(BIN)/python -m bench.gpu_check
 
 clean:
 	rm -rf $(VENV)

@@ -54,6 +54,7 @@ class EosNearSourceLength(nn.Module):
     def __init__(self, model: nn.Module, slope: float):
         super().__init__()
         self.model, self.slope, self.pad_id = model, slope, model.pad_id
+        self.embedding, self.max_positions = model.embedding, model.max_positions  # what translate_ids reads
 
     def encode(self, src: Tensor) -> tuple[Tensor, Tensor]:
         return self.model.encode(src)

@@ -56,20 +56,22 @@ VOCAB = 8000
 MAX_TOKENS = 2500
 
 
-def synthetic_corpus(pairs: int, seed: int = 0) -> tuple[Ragged, Ragged]:
-    """Random token ids with Multi30k-like lengths: source ~ N(14, 5), target ~ 1.04 x source + N(0, 2.5).
+def synthetic_corpus(pairs: int, seed: int = 0, vocab: int = VOCAB, mean: float = 14, sd: float = 5,
+                     longest: int = 60) -> tuple[Ragged, Ragged]:
+    """Random token ids with Multi30k-like lengths (the defaults): source ~ N(14, 5), target ~ 1.04 x source + N(0, 2.5).
 
     The target length follows the source's as in real translation pairs
     (Multi30k en-de, BPE 8000: 14.3 +- 4.7 and 14.8 +- 5.4 tokens), which sets
-    how tightly length bucketing packs the batches.
+    how tightly length bucketing packs the batches. Other corpora: their mean,
+    sd and longest sentence (bench.gpu_check: WMT14's).
     """
     rng = np.random.default_rng(seed)
-    S = np.clip(np.rint(rng.normal(14, 5, pairs)), 1, 60).astype(np.int64)
-    T = np.clip(np.rint(1.04 * S + rng.normal(0, 2.5, pairs)), 1, 60).astype(np.int64)
+    S = np.clip(np.rint(rng.normal(mean, sd, pairs)), 1, longest).astype(np.int64)
+    T = np.clip(np.rint(1.04 * S + rng.normal(0, sd / 2, pairs)), 1, longest).astype(np.int64)
     out = []
     for lengths in (S, T):
         offsets = np.concatenate([[0], np.cumsum(lengths)])
-        out.append(Ragged(rng.integers(4, VOCAB, size=int(offsets[-1])).astype(np.uint16), offsets))
+        out.append(Ragged(rng.integers(4, vocab, size=int(offsets[-1])).astype(np.uint16), offsets))
     return out[0], out[1]
 
 
@@ -135,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.manual_seed(0)
     ours = Transformer(cfg, VOCAB)
-    loss_model = SmoothedLoss(ours, train_cfg.label_smoothing)
+    loss_model = SmoothedLoss(ours, train_cfg.label_smoothing, chunked=True)
     ours_opt = build_optimizer(ours, train_cfg)
     base = TorchTransformer(cfg)
     base_opt = build_optimizer(base, train_cfg)
@@ -143,7 +145,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"parameters: ours {n_ours / 1e6:.2f}M, nn.Transformer {n_base / 1e6:.2f}M")
     ctx = distributed.Dist(0, 1, 0, torch.device("cpu"))
     lr = 1e-4
-    run_ours = lambda b: train_step(loss_model, ours_opt, [(b, True)], b.tokens, lr, ctx, contextlib.nullcontext())
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    run_ours = lambda b: train_step(loss_model, ours_opt, [(b, True)], b.tokens, lr, ctx, contextlib.nullcontext(),
+                                    scaler)
     run_base = lambda b: baseline_step(base, base_opt, b, lr, train_cfg.label_smoothing)
     for step in (run_ours, run_base):
         step(warmup)

@@ -61,11 +61,12 @@ def training_flops(cfg: ModelConfig, vocab_size: int, src_lens: Sequence[int] | 
     return 3 * forward_flops(cfg, vocab_size, src_lens, tgt_lens)
 
 
-# Peak throughput per device in TFLOPS: "fp32" without tensor cores, "bf16" dense
-# tensor-core math (not the 2x "with sparsity" figures the datasheets print first).
+# Peak throughput per device in TFLOPS: "fp32" without tensor cores, "bf16" (or
+# "fp16" on GPUs without bf16, which train in fp16) dense tensor-core math (not
+# the 2x "with sparsity" figures the datasheets print first).
 # K80, K40, M40, P100: the paper's sustained single-precision figures (Sec. 6.1),
 # not datasheet peaks (P100 SXM2's datasheet says 10.6). Others from the vendor's
-# datasheets: V100 (Tesla V100 datasheet, SXM2 15.7, PCIe 14; no bf16), A100
+# datasheets: V100 (Tesla V100 datasheet, SXM2 15.7, PCIe 14; no bf16; fp16 tensor 125 / 112), A100
 # (A100 datasheet: 19.5 fp32, 312 bf16 for both SXM and PCIe), H100 (H100
 # datasheet: SXM 67 / 989.4, PCIe 51 / 756, NVL 60 / 835.5), H200 (H200 datasheet,
 # SXM: 67 / 989.5, half its 1979 "with sparsity"),
@@ -77,8 +78,8 @@ PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "K40": {"fp32": 3.7},
     "M40": {"fp32": 6.0},
     "P100": {"fp32": 9.5},
-    "V100-SXM2": {"fp32": 15.7},
-    "V100-PCIe": {"fp32": 14.0},
+    "V100-SXM2": {"fp32": 15.7, "fp16": 125.0},
+    "V100-PCIe": {"fp32": 14.0, "fp16": 112.0},
     "A100": {"fp32": 19.5, "bf16": 312.0},
     "A10": {"fp32": 31.2, "bf16": 125.0},
     "L4": {"fp32": 30.3, "bf16": 121.0},
@@ -90,7 +91,7 @@ PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "H200": {"fp32": 67.0, "bf16": 989.5},
 }
 
-_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 # torch.cuda.get_device_name() strings -> PEAK_TFLOPS keys; first match wins.
 _DEVICE_PATTERNS = [

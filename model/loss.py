@@ -14,16 +14,18 @@ from torch import Tensor, nn
 from model.transformer import Transformer
 
 
-def real_hidden(model: Transformer, src: Tensor, tgt_in: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
-    """Decoder outputs [N, D] and labels [N] of the N real (non-pad) target positions only.
+def real_hidden(model: Transformer, src: Tensor, tgt_in: Tensor, labels: Tensor, tokens: int) -> tuple[Tensor, Tensor]:
+    """Decoder outputs [N, D] and labels [N] of the N = `tokens` real (non-pad) target positions only.
 
     The output projection (V x D per position, the largest matrix product for a
-    small model) is then computed only where there is a token to predict.
+    small model) is then computed only where there is a token to predict. N
+    comes from the host (the loader counts it), so selecting the positions
+    never waits for the GPU as a boolean mask's unknown size would.
     """
     memory, src_mask = model.encode(src)
     hidden = model.decode(tgt_in, memory, src_mask)  # [B, T, D]
-    real = labels != model.pad_id
-    return hidden[real], labels[real]  # [B, T, D] -> [N, D]
+    real = torch.nonzero_static((labels != model.pad_id).flatten(), size=tokens)[:, 0]  # row-major, as hidden[mask]
+    return hidden.flatten(0, 1)[real], labels.flatten()[real]  # [B, T, D] -> [N, D]
 
 
 class ProjectedSmoothedLoss(torch.autograd.Function):
@@ -75,18 +77,25 @@ class SmoothedLoss(nn.Module):
     # (1 - eps) one_hot + eps / V, the uniform part over all V ids, PAD, UNK and BOS included (as
     # F.cross_entropy's label_smoothing). tensor2tensor gives the true token 1 - eps and eps / (V - 1)
     # to each other id: a difference of eps / V, 2.7e-6 at V = 37000.
+
+    `chunked` (the trainer sets it on CPUs) computes the projection and the loss
+    with ProjectedSmoothedLoss; otherwise (GPUs) as F.cross_entropy of
+    model.project(), whose precision autocast manages (bf16 logits, fp32 loss).
     """
 
-    def __init__(self, model: Transformer, label_smoothing: float):
+    def __init__(self, model: Transformer, label_smoothing: float, chunked: bool):
         super().__init__()
-        self.model, self.label_smoothing = model, label_smoothing
+        self.model, self.label_smoothing, self.chunked = model, label_smoothing, chunked
 
-    def forward(self, src: Tensor, tgt_in: Tensor, labels: Tensor) -> Tensor:
-        hidden, targets = real_hidden(self.model, src, tgt_in, labels)
-        if hidden.device.type == "cpu" and torch.is_grad_enabled():
-            # model.project() is hidden @ embedding.weight^T (Sec. 3.4); test_train checks the two agree.
-            return ProjectedSmoothedLoss.apply(hidden, self.model.embedding.weight, targets, self.label_smoothing)
-        # GPUs: bf16 autocast manages the precision of log_softmax; memory bandwidth is not the bottleneck there.
+    def forward(self, src: Tensor, tgt_in: Tensor, labels: Tensor, tokens: int) -> Tensor:
+        hidden, targets = real_hidden(self.model, src, tgt_in, labels, tokens)
+        if self.chunked and torch.is_grad_enabled():
+            # model.project() is hidden @ embedding.weight^T (Sec. 3.4); test_train checks the two agree. Under
+            # autocast the hidden states are bf16/fp16 and the matrix fp32: the chunked loss runs in fp32, as
+            # autocast runs cross-entropy (a no-op without autocast).
+            with torch.autocast(hidden.device.type, enabled=False):
+                return ProjectedSmoothedLoss.apply(hidden.float(), self.model.embedding.weight, targets,
+                                                   self.label_smoothing)
         logits = self.model.project(hidden)
         return F.cross_entropy(logits, targets, label_smoothing=self.label_smoothing, reduction="sum")
 

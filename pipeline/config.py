@@ -154,6 +154,8 @@ class TrainConfig:
     checkpoint_every: int = field(metadata={"range": "[0, inf)"})  # steps; 0 = off
     keep_checkpoints: int = field(metadata={"range": "[1, inf)"})  # at least average.last_n (checked by load_all)
     seed: int = field(metadata=SEED)
+    # a collective (all-reduce, broadcast) waiting this long fails the run: a node died or froze
+    timeout_minutes: float = field(metadata={"range": "(0, inf)"})
 
 
 @dataclass(frozen=True)

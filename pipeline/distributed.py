@@ -1,13 +1,19 @@
 """Data-parallel plumbing for the train stage: processes, devices and their peak (which batches: pipeline/steps.py).
 
-torchrun sets RANK, WORLD_SIZE and LOCAL_RANK; without them (plain `python -m
-stages.train`) there is one process and no process group at all. GPUs: one per
-process, NCCL. CPUs: `train.devices` gloo processes sharing the cores.
+torchrun sets RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE; without them
+(plain `python -m stages.train`) there is one process and no process group at
+all. `train.devices` processes per node, on one node (`--standalone`) or on
+several (torchrun's c10d rendezvous, one launch per node): WORLD_SIZE =
+devices x nodes. GPUs: one per process, NCCL, and a second (gloo) group for
+host-side decisions so that they never wait for the GPU. CPUs: gloo processes
+sharing the cores. A collective that waits longer than train.timeout_minutes
+(a node died or froze) fails the run instead of hanging it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import logging
 import os
 import sys
@@ -19,8 +25,16 @@ import torch.distributed as dist
 
 from model import flops as flops_lib
 from pipeline.config import ParamsError
+from pipeline.errors import PipelineError
 
 log = logging.getLogger(__name__)
+
+
+class DistributedError(PipelineError):
+    """The processes of a run disagree (params, data) or lost one another (a node died or froze)."""
+
+
+STARTUP_MINUTES = 30.0  # how long ranks wait for each other to start (check_same)
 
 
 @dataclass(frozen=True)
@@ -31,6 +45,7 @@ class Dist:
     world: int
     local_rank: int
     device: torch.device
+    host_group: dist.ProcessGroup | None = None  # gloo group for flags and objects; None = the default group
 
     @property
     def is_main(self) -> bool:
@@ -45,14 +60,21 @@ def available_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def setup(devices: int) -> Dist:
-    """Join the torchrun process group (if any) and pick this process's device and threads."""
+def setup(devices: int, timeout_minutes: float) -> Dist:
+    """Join the torchrun process group (if any) and pick this process's device and threads.
+
+    `devices` is per node: torchrun's LOCAL_WORLD_SIZE must equal it, and each
+    node needs that many GPUs; WORLD_SIZE counts the processes of all nodes.
+    """
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-    if world != devices:
+    if local_world != devices:
         raise ParamsError(
-            f"train.devices={devices} but {world} process(es) were started; run `python -m stages.train ...` "
-            f"(as dvc.yaml does: it starts train.devices processes) or `torchrun --nproc_per_node={devices} ...`")
+            f"train.devices={devices} but {local_world} process(es) were started on this node (train.devices counts "
+            f"the processes of one node); run `python -m stages.train ...` (as dvc.yaml does: it starts train.devices "
+            f"processes), `torchrun --nproc_per_node={devices} ...`, or on each node of a multi-node run `torchrun "
+            f"--nnodes=N --nproc_per_node={devices} --rdzv_backend=c10d ...` (README, Multi-node training)")
     if torch.cuda.is_available():
         if devices > torch.cuda.device_count():
             raise ParamsError(f"train.devices={devices} but this machine has {torch.cuda.device_count()} GPU(s)")
@@ -61,11 +83,15 @@ def setup(devices: int) -> Dist:
         backend = "nccl"
     else:
         device = torch.device("cpu")
-        torch.set_num_threads(max(1, available_cores() // world))
+        torch.set_num_threads(max(1, available_cores() // local_world))
         backend = "gloo"
+    host_group = None
     if world > 1:
-        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
-    return Dist(rank, world, local_rank, device)
+        timeout = datetime.timedelta(minutes=timeout_minutes)
+        dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
+        if backend == "nccl":
+            host_group = dist.new_group(backend="gloo", timeout=timeout)
+    return Dist(rank, world, local_rank, device, host_group)
 
 
 def launched_by_torchrun() -> bool:
@@ -113,19 +139,20 @@ def all_sum(t: torch.Tensor, ctx: Dist) -> torch.Tensor:
 
 
 def broadcast_flags(flags: list[bool], ctx: Dist) -> list[bool]:
-    """Rank 0's decisions (stop, checkpoint...) for every rank."""
+    """Rank 0's decisions (stop, checkpoint...) for every rank; on the host group, so no wait for the GPU."""
     if ctx.world == 1:
         return flags
-    t = torch.tensor([float(f) for f in flags], device=ctx.device)
-    dist.broadcast(t, src=0)
+    t = torch.tensor([float(f) for f in flags])
+    dist.broadcast(t, src=0, group=ctx.host_group)
     return [bool(v) for v in t.tolist()]
 
 
 def broadcast_object(obj: object, ctx: Dist) -> object:
+    """Rank 0's `obj` (e.g. the checkpoint it resumes: other nodes need not see its file) for every rank."""
     if ctx.world == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=ctx.host_group)
     return box[0]
 
 
@@ -134,8 +161,50 @@ def gather_objects(obj: object, ctx: Dist) -> list:
     if ctx.world == 1:
         return [obj]
     out: list = [None] * ctx.world
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=ctx.host_group)
     return out
+
+
+def check_same(value: str, what: str, ctx: Dist, timeout_minutes: float) -> None:
+    """Wait for every rank to start, then fail on every rank, naming the ranks and hosts, unless all hold the same
+    `value` (e.g. a params hash). The wait allows STARTUP_MINUTES (rank 0 alone opens MLflow first), or
+    timeout_minutes if longer: a short collective timeout need not cover a slow start."""
+    if ctx.world > 1:
+        wait = datetime.timedelta(minutes=max(STARTUP_MINUTES, timeout_minutes))
+        dist.monitored_barrier(ctx.host_group, timeout=wait, wait_all_ranks=True)
+    seen = gather_objects((value, os.uname().nodename), ctx)
+    odd = [f"rank {r} on {host}" for r, (v, host) in enumerate(seen) if v != seen[0][0]]
+    if odd:
+        raise DistributedError(f"{what} differs from rank 0's ({seen[0][1]}) on {', '.join(odd)}: every node must run "
+                         "the same commit with the same params.yaml, data/tokenized and data/batches")
+
+
+def lost_peers(error: BaseException, ctx: Dist) -> bool:
+    """Whether `error` is a collective that failed: a peer closed its connection, or timed out (gloo, NCCL)."""
+    return ctx.world > 1 and (isinstance(error, dist.DistError) or "gloo" in str(error))
+
+
+def mixed_precision(device: torch.device) -> tuple[contextlib.AbstractContextManager, torch.amp.GradScaler]:
+    """The autocast context and gradient scaler of training on `device` (autocast_dtype; the scaler for fp16 only), logged."""
+    dtype = autocast_dtype(device)
+    where = (f" ({torch.cuda.get_device_name(device)}, compute capability "
+             f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))})" if device.type == "cuda" else "")
+    log.info("precision: %s%s", {torch.bfloat16: "bf16 autocast", torch.float16: "fp16 autocast with a gradient scaler "
+             "(no bf16 on this GPU)", torch.float32: "fp32"}[dtype], where)
+    autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
+    return autocast, torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+
+
+def autocast_dtype(device: torch.device) -> torch.dtype:
+    """bf16 on GPUs that have it (compute capability 8.0+), fp16 (with a grad scaler) on 7.x, else fp32; CPUs fp32.
+
+    V100 and T4 (7.0, 7.5) have fp16 tensor cores but no bf16; P100 and older
+    (6.x) get fp32, as the paper trained.
+    """
+    if device.type != "cuda":
+        return torch.float32
+    major, _ = torch.cuda.get_device_capability(device)
+    return torch.bfloat16 if major >= 8 else torch.float16 if major >= 7 else torch.float32
 
 
 # --- the device's peak, for MFU and the paper's cost estimate ---------------------------------
@@ -158,15 +227,16 @@ def cpu_name() -> str:
 def peak_flops(ctx: Dist) -> tuple[float, float, str]:
     """(peak FLOP/s per device for MFU, sustained fp32 TFLOPS for the paper's estimate, device name).
 
-    GPUs: bf16 dense and fp32 peaks from model.flops' table (measured when the
-    GPU is not in it). CPUs: the fp32 matmul peak measured now, for both.
+    GPUs: the peak at the training precision (autocast_dtype: bf16 dense on
+    most) and the fp32 peak from model.flops' table (measured when the GPU is
+    not in it). CPUs: the fp32 matmul peak measured now, for both.
     """
     if ctx.cuda:
-        name = torch.cuda.get_device_name(ctx.device)
+        name, dtype = torch.cuda.get_device_name(ctx.device), autocast_dtype(ctx.device)
         try:
-            return flops_lib.device_tflops(name, "bf16") * 1e12, flops_lib.device_tflops(name, "fp32"), name
+            return flops_lib.device_tflops(name, dtype) * 1e12, flops_lib.device_tflops(name, "fp32"), name
         except KeyError as e:
             log.warning("%s; measuring the matmul peaks instead", e)
-            return measured_peak(torch.bfloat16, ctx.device), measured_peak(torch.float32, ctx.device) / 1e12, name
+            return measured_peak(dtype, ctx.device), measured_peak(torch.float32, ctx.device) / 1e12, name
     measured = measured_peak(torch.float32, ctx.device)
     return measured, measured / 1e12, f"{cpu_name()} ({torch.get_num_threads()} threads/process)"

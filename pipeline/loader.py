@@ -2,13 +2,17 @@
 
     data = TrainingData.load(tokenized, batches)      # memory-mapped splits and batches (pipeline.formats)
     batch = collate(data.train_src, data.train_tgt, rows, device)
+    prefetch = Prefetcher(build, device); value = prefetch.get(key, next_key)   # build(next_key) in the background
 
 A Batch frames each pair as the model sees it: encoder input source + [EOS],
 decoder input [BOS] + target, labels target + [EOS], right-padded with PAD_ID.
+Batches for a GPU are copied from pinned memory without blocking the host.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,8 +54,35 @@ def collate(src: Ragged, tgt: Ragged, rows: np.ndarray, device: torch.device) ->
     rows = np.asarray(rows, dtype=np.int64)
     arrays = (pad_rows(src, rows, False, True), pad_rows(tgt, rows, True, False), pad_rows(tgt, rows, False, True))
     tokens = int((tgt.offsets[rows + 1] - tgt.offsets[rows]).sum()) + len(rows)
-    src_t, tgt_in, labels = (torch.from_numpy(a).to(device, non_blocking=True) for a in arrays)
+    pin = device.type == "cuda"  # page-locked host memory: the copy runs without the host waiting for it
+    tensors = (torch.from_numpy(a) for a in arrays)
+    src_t, tgt_in, labels = ((t.pin_memory() if pin else t).to(device, non_blocking=True) for t in tensors)
     return Batch(src_t, tgt_in, labels, tokens)
+
+
+class Prefetcher:
+    """Builds the next step's input in a background thread while the current step trains.
+
+    get(key, next_key) returns build(key), already built if the previous call
+    named it as its next_key, and starts building next_key. `build` must depend
+    on its key alone, so prefetching never changes what is trained (exact
+    resumes stay exact); its errors are raised by the get() that needs its value.
+    """
+
+    def __init__(self, build: Callable[[Hashable], object], device: torch.device):
+        self.build = build
+        # The thread's copies go to `device` (its current CUDA device is device 0 otherwise: a stray context there).
+        init = (lambda: torch.cuda.set_device(device)) if device.type == "cuda" else None
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch", initializer=init)
+        self.pending: tuple[Hashable, Future] | None = None
+
+    def get(self, key: Hashable, next_key: Hashable) -> object:
+        if self.pending is not None and self.pending[0] == key:
+            value = self.pending[1].result()
+        else:
+            value = self.build(key)
+        self.pending = (next_key, self.pool.submit(self.build, next_key))
+        return value
 
 
 @dataclass(frozen=True)
@@ -84,7 +115,7 @@ class TrainingData:
         lengths = [split.offsets[rows + 1] - split.offsets[rows] + 1 for split in (self.train_src, self.train_tgt)]
         return lengths[0], lengths[1]
 
-    def micro_batches(self, mine: list[int], n_micro: int, spare: int, device: torch.device) -> list[tuple[Batch, bool]]:
+    def micro_batches(self, mine: Sequence[int], n_micro: int, spare: int, device: torch.device) -> list[tuple[Batch, bool]]:
         """This rank's batches of a step as (batch, real); topped up to n_micro with zero-weight repeats (epoch tail)."""
         micro = [(collate(self.train_src, self.train_tgt, self.train_batches[b], device), True) for b in mine]
         if len(micro) < n_micro:

@@ -21,7 +21,17 @@ Checkpoints (pipeline/checkpoint.py) every checkpoint_every steps and/or
 checkpoint_minutes, and at the end; on start the newest complete checkpoint
 with the same params_hash is resumed exactly (weights, Adam, RNGs, data
 position, counters): an interrupted run ends with the same weights as an
-uninterrupted one. Only rank 0 writes.
+uninterrupted one. Only rank 0 reads and writes checkpoints: it sends the one it
+resumes to every rank, so other nodes need not see data/checkpoints. A
+checkpoint resumes on another world size (devices x nodes) too when the step
+keeps its batches (world x accumulation; see params_hash); each rank's dropout
+RNG is then seeded afresh from (seed, step, rank), as the old ranks' states do
+not map onto the new ones.
+
+Precision: autocast at distributed.autocast_dtype (bf16 on GPUs that have it,
+fp16 with a gradient scaler on older ones, fp32 on CPUs). The next step's
+micro-batches are built (padded, pinned, copied) in a background thread while
+this one trains (pipeline/loader.py, Prefetcher).
 
 Set STAGES_TRAIN_TRACE=DIR to have every rank append, per step, the batches it
 trained on and a checksum of its parameters to DIR/rank<r>.jsonl (tests).
@@ -55,15 +65,16 @@ from pipeline.config import TrainConfig
 from pipeline.distributed import Dist
 from pipeline.files import write_text
 from pipeline.formats import batch_paths
-from pipeline.loader import Batch, TrainingData
+from pipeline.loader import Batch, Prefetcher, TrainingData
 
 log = logging.getLogger(__name__)
 
 PLOT_COLUMNS = ("step", "loss", "lr", "tokens_per_second", "valid_ppl")
 # Train params that do not change the weights of a given step: changing them
 # resumes the old run instead of restarting it (e.g. a larger max_steps continues).
+# devices: the step's batches (world x accumulation) count instead, see params_hash.
 NOT_WEIGHT_SHAPING = ("max_steps", "max_minutes", "eval_every", "log_every",
-                      "checkpoint_minutes", "checkpoint_every", "keep_checkpoints")
+                      "checkpoint_minutes", "checkpoint_every", "keep_checkpoints", "devices", "timeout_minutes")
 TRACE_ENV = "STAGES_TRAIN_TRACE"
 
 
@@ -80,7 +91,7 @@ def validate(model: Transformer, batches: list[Batch], label_smoothing: float, c
     sums = torch.zeros(3, dtype=torch.float64, device=ctx.device)  # smoothed, nll, tokens
     for b in batches:
         with autocast:
-            hidden, targets = real_hidden(model, b.src, b.tgt_in, b.labels)
+            hidden, targets = real_hidden(model, b.src, b.tgt_in, b.labels, b.tokens)
             logits = model.project(hidden)
         smoothed, nll = smoothed_and_nll(logits, targets, label_smoothing)
         sums[0] += smoothed.double()
@@ -93,7 +104,7 @@ def validate(model: Transformer, batches: list[Batch], label_smoothing: float, c
 
 
 def train_step(loss_model: nn.Module, optimizer: torch.optim.Optimizer, micro: list[tuple[Batch, bool]],
-               global_tokens: int, lr: float, ctx: Dist, autocast) -> Tensor:
+               global_tokens: int, lr: float, ctx: Dist, autocast, scaler: torch.amp.GradScaler) -> Tensor:
     """Accumulate the gradients of this rank's micro-batches, then one Adam update; returns this rank's summed loss.
 
     Each micro-batch's summed loss is scaled by world / global_tokens: DDP
@@ -101,19 +112,21 @@ def train_step(loss_model: nn.Module, optimizer: torch.optim.Optimizer, micro: l
     step's summed loss over its real target tokens on all ranks. A padding
     micro-batch (False: none left for this rank at an epoch's tail) is weighted
     0, so the rank still joins the all-reduce without changing the update.
+    `scaler` scales the loss for fp16 (a disabled scaler passes everything through).
     """
     scale = ctx.world / global_tokens
     total = torch.zeros((), device=ctx.device)
     for i, (batch, real) in enumerate(micro):
         sync = i == len(micro) - 1 or not isinstance(loss_model, DistributedDataParallel)
         with (contextlib.nullcontext() if sync else loss_model.no_sync()), autocast:
-            loss = loss_model(batch.src, batch.tgt_in, batch.labels)
-        (loss * (scale if real else 0.0)).backward()
+            loss = loss_model(batch.src, batch.tgt_in, batch.labels, batch.tokens)
+        scaler.scale(loss * (scale if real else 0.0)).backward()
         if real:
             total += loss.detach().float()
     for group in optimizer.param_groups:
         group["lr"] = lr
-    optimizer.step()
+    scaler.step(optimizer)
+    scaler.update()
     optimizer.zero_grad(set_to_none=True)
     return total
 
@@ -135,11 +148,16 @@ class Progress:
     plot_rows: list = field(default_factory=list)
 
 
-def params_hash(model_cfg: ModelConfig, train_cfg: TrainConfig, max_tokens: int, tokenized: Path, batches: Path) -> str:
-    """sha256 of what shapes the weights: model, train (less NOT_WEIGHT_SHAPING), batch.max_tokens, the data."""
+def params_hash(model_cfg: ModelConfig, train_cfg: TrainConfig, max_tokens: int, world: int, tokenized: Path,
+                batches: Path) -> str:
+    """sha256 of what shapes the weights: model, train (less NOT_WEIGHT_SHAPING), batch.max_tokens, the data,
+    and the stored batches per step (world x accumulation), which the world size alone does not change:
+    2 processes x 1 batch resume 1 process x 2 (and the reverse)."""
     train = {k: v for k, v in asdict(train_cfg).items() if k not in NOT_WEIGHT_SHAPING}
+    step_batches = world * steps.grad_accumulation(train_cfg.tokens_per_step, max_tokens, world)
     files = [p for p in (tokenized / "meta.json", tokenized / "spm.model", *batch_paths(batches, "train")) if p.exists()]
-    return ckpt.fingerprint({"model": asdict(model_cfg), "train": train, "batch.max_tokens": max_tokens}, files)
+    return ckpt.fingerprint({"model": asdict(model_cfg), "train": train, "batch.max_tokens": max_tokens,
+                             "batches_per_step": step_batches}, files)
 
 
 def plot_csv(rows: list[list]) -> str:
@@ -192,13 +210,15 @@ class Trainer:
         torch.manual_seed(cfg.seed)  # the same initial weights in every process
         self.model = Transformer(model_cfg, data.vocab_size).to(ctx.device)
         self.optimizer = build_optimizer(self.model, cfg)
+        # Paper: fp32 on P100s. GPUs train under autocast: bf16, or fp16 with a gradient scaler on GPUs without
+        # bf16 (the weights and Adam stay fp32).
+        self.autocast, self.scaler = distributed.mixed_precision(ctx.device)
         torch.manual_seed(cfg.seed + ctx.rank)  # dropout masks differ between ranks
         self.progress = self.resume()
-        self.loss_model: nn.Module = SmoothedLoss(self.model, cfg.label_smoothing)
+        self.loss_model: nn.Module = SmoothedLoss(self.model, cfg.label_smoothing, chunked=not ctx.cuda)
         if ctx.world > 1:
             self.loss_model = DistributedDataParallel(self.loss_model, device_ids=[ctx.local_rank] if ctx.cuda else None)
-        # Paper: fp32 on P100s. GPUs train under bf16 autocast (the weights and Adam stay fp32).
-        self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if ctx.cuda else contextlib.nullcontext()
+        self.prefetch = Prefetcher(lambda share: data.micro_batches(*share, ctx.device), ctx.device)
         self.valid, left_out = data.valid_share(ctx.rank, ctx.world, model_cfg.max_positions, ctx.device)
         if left_out:
             log.warning("%d valid pair(s) longer than model.max_positions = %d are left out of validation",
@@ -208,18 +228,26 @@ class Trainer:
                         "grad_accum": self.accum, "device": self.device_name, "params_hash": phash})
 
     def resume(self) -> Progress:
-        """Load the newest matching checkpoint (rank 0 picks it; every rank loads it), else start afresh."""
+        """Load the newest matching checkpoint (rank 0 reads it and sends it to every rank), else start afresh."""
         if self.checkpoints is None:
             return Progress()
         found = ckpt.resume_point(self.checkpoints, self.phash) if self.ctx.is_main else None
-        path = distributed.broadcast_object(found[0] if found else None, self.ctx)
+        path, state = distributed.broadcast_object(found or (None, None), self.ctx)
         if path is None:
             return Progress()
-        state = found[1] if found else ckpt.load_checkpoint(path)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
-        ckpt.restore_rng(state["rng"][self.ctx.rank])
+        if "scaler" in state:
+            self.scaler.load_state_dict(state["scaler"])
         progress = Progress(**state["progress"])
+        if len(state["rng"]) == self.ctx.world:
+            ckpt.restore_rng(state["rng"][self.ctx.rank])
+        else:
+            seed = int(np.random.SeedSequence([self.cfg.seed, progress.step, self.ctx.rank]).generate_state(1)[0])
+            torch.manual_seed(seed)
+            log.warning("checkpoint of %d process(es) resumed by %d: dropout RNGs seeded afresh from (train.seed, "
+                        "step, rank); the weights equal an uninterrupted run's only without dropout",
+                        len(state["rng"]), self.ctx.world)
         log.info("resuming from step %d (%s)", progress.step, path)
         self.saved_step = progress.step
         self.run.set_tags({"resumed_from_step": progress.step})
@@ -233,6 +261,7 @@ class Trainer:
                 "step": p.step, "model": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
                 "model_config": asdict(self.model_cfg), "vocab_size": self.data.vocab_size,
                 "params_hash": self.phash, "optimizer": self.optimizer.state_dict(), "rng": rngs,
+                **({"scaler": self.scaler.state_dict()} if self.scaler.is_enabled() else {}),
                 "data_position": {"epoch": p.epoch, "cursor": p.cursor}, "elapsed_seconds": p.elapsed_seconds,
                 "train_tokens": p.train_tokens, "progress": asdict(p),
             }
@@ -254,23 +283,36 @@ class Trainer:
             self._order = (p.epoch, steps.epoch_order(len(self.data.train_batches), self.cfg.seed, p.epoch))
         return self._order[1]
 
+    def share(self, step_ids: np.ndarray) -> tuple[tuple[int, ...], int, int]:
+        """This rank's batches of a step, the micro-batches every rank runs, and the spare (micro_batches' arguments)."""
+        mine, n_micro = steps.rank_share(step_ids, self.ctx.rank, self.ctx.world)
+        return tuple(mine), n_micro, int(step_ids[0])
+
+    def upcoming(self, order: np.ndarray) -> np.ndarray:
+        """The batches of the step after this one (in the next epoch's order when this epoch is used up)."""
+        n, cursor = self.accum * self.ctx.world, self.progress.cursor
+        if cursor >= len(self.data.train_batches):
+            order, cursor = steps.epoch_order(len(self.data.train_batches), self.cfg.seed, self.progress.epoch + 1), 0
+        return order[cursor : cursor + n]
+
     def step(self, order: np.ndarray) -> tuple[Tensor, int, float]:
         """Train on the next world x accumulation batches of `order`; (this rank's loss sum, its tokens, lr)."""
         p, ctx = self.progress, self.ctx
         step_ids = order[p.cursor : p.cursor + self.accum * ctx.world]
         p.cursor += len(step_ids)
-        mine, n_micro = steps.rank_share(step_ids, ctx.rank, ctx.world)
-        micro = self.data.micro_batches(mine, n_micro, int(step_ids[0]), ctx.device)
+        mine = self.share(step_ids)
+        micro = self.prefetch.get(mine, self.share(self.upcoming(order)))
         S, T = self.data.lengths(step_ids)
         lr = self.cfg.lr_factor * lrate(p.step + 1, self.model_cfg.d_model, self.cfg.warmup_steps)
         faults.inject("step", p.step + 1)  # tests only: TRANSFORMER_FAULT=step@N kills the process here
-        loss_sum = train_step(self.loss_model, self.optimizer, micro, int(T.sum()), lr, ctx, self.autocast)
+        loss_sum = train_step(self.loss_model, self.optimizer, micro, int(T.sum()), lr, ctx, self.autocast,
+                              self.scaler)
         p.step += 1
         p.train_tokens += int(T.sum())
         p.src_tokens += int(S.sum())
         p.step_tokens_range = widen(p.step_tokens_range, int(S.sum()), int(T.sum()))
         p.flops += flops_lib.training_flops(self.model_cfg, self.data.vocab_size, S, T)
-        trace(ctx, p.step, mine, self.model)
+        trace(ctx, p.step, list(mine[0]), self.model)
         return loss_sum, sum(b.tokens for b, real in micro if real), lr
 
     def validate(self) -> dict[str, float]:

@@ -8,9 +8,17 @@ With train.devices > 1 the command checks the params and inputs, then starts
 that many processes as `torchrun --standalone --nproc_per_node=<devices> -m
 stages.train ...` does (pipeline.distributed.launch), so that a failure ends
 with the failing process's message rather than torchrun's report; running that
-torchrun command directly works too. Resumes from the newest complete checkpoint
-with the same params_hash; stops at train.max_steps (train.max_minutes is a
-safety stop, recorded when it fires); Ctrl-C says at which step it stopped.
+torchrun command directly works too, and so does torchrun on each of N nodes:
+
+    torchrun --nnodes=N --nproc_per_node=<devices> --rdzv_backend=c10d --rdzv_endpoint=HOST:PORT \
+        --rdzv_id=RUN -m stages.train ...          # README, "Multi-node training"
+
+Every rank checks that it holds rank 0's params and data (params_hash); a
+collective that fails or waits past train.timeout_minutes (a node died or
+froze) stops every rank with one line saying so; restarting resumes.
+Resumes from the newest complete checkpoint with the same params_hash; stops
+at train.max_steps (train.max_minutes is a safety stop, recorded when it
+fires); Ctrl-C says at which step it stopped.
 Outputs (rank 0 only): checkpoints, metrics/train.json, plots/train.csv and an
 MLflow child run (pipeline/tracking.py).
 """
@@ -42,12 +50,14 @@ def main(argv: list[str] | None = None) -> None:
         TrainingData.load(args.tokenized, args.batches)  # a missing input fails here, before any process starts
         distributed.launch(cfg.devices, "stages.train", sys.argv[1:] if argv is None else argv)
         return
-    ctx = distributed.setup(cfg.devices)
+    ctx = distributed.setup(cfg.devices, cfg.timeout_minutes)
     cli.setup_logging(logging.INFO if ctx.is_main else logging.WARNING)
     try:
         with tracking.stage_run("train", args, enabled=ctx.is_main) as run, logging_redirect_tqdm():
             data = TrainingData.load(args.tokenized, args.batches)
-            phash = params_hash(model_cfg, cfg, max_tokens, args.tokenized, args.batches)
+            phash = params_hash(model_cfg, cfg, max_tokens, ctx.world, args.tokenized, args.batches)
+            distributed.check_same(phash, "params_hash (model, train, batch.max_tokens and the data)", ctx,
+                                   cfg.timeout_minutes)
             trainer = Trainer(data, model_cfg, cfg, max_tokens, ctx, run, phash, args.checkpoints, args.plot)
             try:
                 metrics = trainer.fit()
@@ -59,6 +69,13 @@ def main(argv: list[str] | None = None) -> None:
                 write_json(args.metrics, metrics)
                 run.log_metrics({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=metrics["steps"])
                 log.info("done: %s", {k: metrics[k] for k in ("steps", "train_tokens", "valid_ppl", "tokens_per_second", "mfu")})
+    except RuntimeError as e:
+        if not distributed.lost_peers(e, ctx):
+            raise
+        raise distributed.DistributedError(
+            f"rank {ctx.rank} of {ctx.world}: lost the other processes ({e}); a node died, froze or was slower than "
+            f"train.timeout_minutes = {cfg.timeout_minutes:g}. Restart every node: training resumes from the newest "
+            f"checkpoint in {args.checkpoints}") from e
     finally:
         distributed.teardown(ctx)
 

@@ -219,7 +219,7 @@ def test_more_devices_than_gpus_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(ValueError, match=r"train\.devices=2 but this machine has 1 GPU\(s\)"):
-        distributed.setup(2)
+        distributed.setup(2, 10.0)
 
 
 def test_a_changed_model_config_starts_training_afresh_and_says_so(tmp_path, caplog):

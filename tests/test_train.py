@@ -119,17 +119,17 @@ def test_the_chunked_loss_equals_cross_entropy_of_the_models_projection(eps):
 def test_padding_changes_neither_the_loss_nor_the_gradient():
     torch.manual_seed(0)
     model = Transformer(ModelConfig(**MODEL), VOCAB)
-    loss_model = loss_lib.SmoothedLoss(model, 0.1)
+    loss_model = loss_lib.SmoothedLoss(model, 0.1, chunked=True)
     pairs = [([5, 6, 7, 8], [9, 10]), ([11, 12], [13, 14, 15, 16, 17])]
     padded = [torch.tensor([s + [EOS_ID] + [PAD_ID] * (5 - len(s)) for s, _ in pairs]),
               torch.tensor([[BOS_ID] + t + [PAD_ID] * (5 - len(t)) for _, t in pairs]),
               torch.tensor([t + [EOS_ID] + [PAD_ID] * (5 - len(t)) for _, t in pairs])]
-    together = loss_model(*padded)
+    together = loss_model(*padded, sum(len(t) + 1 for _, t in pairs))
     together.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
-    alone = sum(loss_model(torch.tensor([s + [EOS_ID]]), torch.tensor([[BOS_ID] + t]), torch.tensor([t + [EOS_ID]]))
-                for s, t in pairs)
+    alone = sum(loss_model(torch.tensor([s + [EOS_ID]]), torch.tensor([[BOS_ID] + t]), torch.tensor([t + [EOS_ID]]),
+                           len(t) + 1) for s, t in pairs)
     alone.backward()
     assert together.item() == pytest.approx(alone.item(), rel=1e-5)
     for n, p in model.named_parameters():
