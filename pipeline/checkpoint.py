@@ -233,6 +233,20 @@ def capture_rng() -> dict:
     return rng
 
 
+def restore_rank_rng(rngs: list[dict], rank: int, world: int, seed: int, step: int) -> bool:
+    """This rank's RNGs from a checkpoint's per-rank states; True if restored exactly.
+
+    A checkpoint of another world size has no state for this rank's place in
+    the new run: torch's RNG (dropout) is then seeded from (seed, step, rank),
+    the same on every resume of that checkpoint, and False is returned.
+    """
+    if len(rngs) == world:
+        restore_rng(rngs[rank])
+        return True
+    torch.manual_seed(int(np.random.SeedSequence([seed, step, rank]).generate_state(1)[0]))
+    return False
+
+
 def restore_rng(rng: dict) -> None:
     """Put back what capture_rng() returned."""
     torch.set_rng_state(rng["torch"])

@@ -35,6 +35,14 @@ def epoch_order(num_batches: int, seed: int, epoch: int) -> np.ndarray:
     return np.random.default_rng(seed + epoch).permutation(num_batches)
 
 
+def next_step(order: np.ndarray, cursor: int, epoch: int, batches_per_step: int, seed: int) -> np.ndarray:
+    """The batches of the step starting at `cursor` of epoch `epoch`'s `order`, or the next epoch's first step
+    when `order` is used up (what the trainer prefetches while a step trains)."""
+    if cursor >= len(order):
+        order, cursor = epoch_order(len(order), seed, epoch + 1), 0
+    return order[cursor : cursor + batches_per_step]
+
+
 def rank_share(step_batches: np.ndarray, rank: int, world: int) -> tuple[list[int], int]:
     """This rank's batches of one step (every world-th, from `rank`) and the micro-batch count all ranks run.
 

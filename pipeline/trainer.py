@@ -21,17 +21,11 @@ Checkpoints (pipeline/checkpoint.py) every checkpoint_every steps and/or
 checkpoint_minutes, and at the end; on start the newest complete checkpoint
 with the same params_hash is resumed exactly (weights, Adam, RNGs, data
 position, counters): an interrupted run ends with the same weights as an
-uninterrupted one. Only rank 0 reads and writes checkpoints: it sends the one it
-resumes to every rank, so other nodes need not see data/checkpoints. A
-checkpoint resumes on another world size (devices x nodes) too when the step
-keeps its batches (world x accumulation; see params_hash); each rank's dropout
-RNG is then seeded afresh from (seed, step, rank), as the old ranks' states do
-not map onto the new ones.
-
-Precision: autocast at distributed.autocast_dtype (bf16 on GPUs that have it,
-fp16 with a gradient scaler on older ones, fp32 on CPUs). The next step's
-micro-batches are built (padded, pinned, copied) in a background thread while
-this one trains (pipeline/loader.py, Prefetcher).
+uninterrupted one. Only rank 0 reads and writes checkpoints; it sends the one
+it resumes to every rank (other nodes need not see them), on another world size
+too when a step keeps its batches (params_hash; RNGs: restore_rank_rng).
+Precision: distributed.mixed_precision. The next step's micro-batches are built
+in a background thread while this one trains (loader.Prefetcher).
 
 Set STAGES_TRAIN_TRACE=DIR to have every rank append, per step, the batches it
 trained on and a checksum of its parameters to DIR/rank<r>.jsonl (tests).
@@ -240,11 +234,7 @@ class Trainer:
         if "scaler" in state:
             self.scaler.load_state_dict(state["scaler"])
         progress = Progress(**state["progress"])
-        if len(state["rng"]) == self.ctx.world:
-            ckpt.restore_rng(state["rng"][self.ctx.rank])
-        else:
-            seed = int(np.random.SeedSequence([self.cfg.seed, progress.step, self.ctx.rank]).generate_state(1)[0])
-            torch.manual_seed(seed)
+        if not ckpt.restore_rank_rng(state["rng"], self.ctx.rank, self.ctx.world, self.cfg.seed, progress.step):
             log.warning("checkpoint of %d process(es) resumed by %d: dropout RNGs seeded afresh from (train.seed, "
                         "step, rank); the weights equal an uninterrupted run's only without dropout",
                         len(state["rng"]), self.ctx.world)
@@ -288,20 +278,14 @@ class Trainer:
         mine, n_micro = steps.rank_share(step_ids, self.ctx.rank, self.ctx.world)
         return tuple(mine), n_micro, int(step_ids[0])
 
-    def upcoming(self, order: np.ndarray) -> np.ndarray:
-        """The batches of the step after this one (in the next epoch's order when this epoch is used up)."""
-        n, cursor = self.accum * self.ctx.world, self.progress.cursor
-        if cursor >= len(self.data.train_batches):
-            order, cursor = steps.epoch_order(len(self.data.train_batches), self.cfg.seed, self.progress.epoch + 1), 0
-        return order[cursor : cursor + n]
-
     def step(self, order: np.ndarray) -> tuple[Tensor, int, float]:
         """Train on the next world x accumulation batches of `order`; (this rank's loss sum, its tokens, lr)."""
         p, ctx = self.progress, self.ctx
         step_ids = order[p.cursor : p.cursor + self.accum * ctx.world]
         p.cursor += len(step_ids)
         mine = self.share(step_ids)
-        micro = self.prefetch.get(mine, self.share(self.upcoming(order)))
+        upcoming = steps.next_step(order, p.cursor, p.epoch, self.accum * ctx.world, self.cfg.seed)
+        micro = self.prefetch.get(mine, self.share(upcoming))
         S, T = self.data.lengths(step_ids)
         lr = self.cfg.lr_factor * lrate(p.step + 1, self.model_cfg.d_model, self.cfg.warmup_steps)
         faults.inject("step", p.step + 1)  # tests only: TRANSFORMER_FAULT=step@N kills the process here
