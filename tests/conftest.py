@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
@@ -19,3 +20,14 @@ def _private_tracking_store(tmp_path, monkeypatch):
     """Each test gets its own sqlite MLflow store unless it sets another."""
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     monkeypatch.setenv("PATH", f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}")
+
+
+@pytest.fixture
+def one_thread(monkeypatch):
+    """In-process training on one thread, as each process a test starts (pinned to one core): the same sums."""
+    from pipeline import distributed
+
+    monkeypatch.setattr(distributed, "available_cores", lambda: 1)
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)

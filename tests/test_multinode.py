@@ -27,13 +27,7 @@ from tests.multinode_smoke import (TOLERANCE, final_weights, max_difference, nod
 from tests.train_fixtures import MODEL, TRAIN, stage_args, torchrun, write_corpus, write_params
 
 
-@pytest.fixture(autouse=True)
-def _one_thread(monkeypatch):
-    """In-process runs on one thread, as each node's process (pinned to one core): the same sums."""
-    monkeypatch.setattr(distributed, "available_cores", lambda: 1)
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture

@@ -30,12 +30,7 @@ from tests.train_fixtures import MODEL, TRAIN, VOCAB, stage_args, write_corpus, 
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread(monkeypatch):
-    monkeypatch.setattr(distributed, "available_cores", lambda: 1)
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def step_gradients(data: TrainingData, chunked: bool, autocast) -> tuple[float, dict[str, torch.Tensor]]:
