@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import sys
 
-from tqdm.contrib.logging import logging_redirect_tqdm
 
 from model.config import ModelConfig
 from pipeline import cli, config, distributed, tracking
@@ -45,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
     ctx = distributed.setup(cfg.devices)
     cli.setup_logging(logging.INFO if ctx.is_main else logging.WARNING)
     try:
-        with tracking.stage_run("train", args, enabled=ctx.is_main) as run, logging_redirect_tqdm():
+        with tracking.stage_run("train", args, enabled=ctx.is_main) as run:
             data = TrainingData.load(args.tokenized, args.batches)
             phash = params_hash(model_cfg, cfg, max_tokens, args.tokenized, args.batches)
             trainer = Trainer(data, model_cfg, cfg, max_tokens, ctx, run, phash, args.checkpoints, args.plot)
