@@ -28,7 +28,6 @@ from __future__ import annotations
 import logging
 import sys
 
-from tqdm.contrib.logging import logging_redirect_tqdm
 
 from model.config import ModelConfig
 from pipeline import cli, config, distributed, tracking
@@ -53,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     ctx = distributed.setup(cfg.devices, cfg.timeout_minutes)
     cli.setup_logging(logging.INFO if ctx.is_main else logging.WARNING)
     try:
-        with tracking.stage_run("train", args, enabled=ctx.is_main) as run, logging_redirect_tqdm():
+        with tracking.stage_run("train", args, enabled=ctx.is_main) as run:
             data = TrainingData.load(args.tokenized, args.batches)
             phash = params_hash(model_cfg, cfg, max_tokens, ctx.world, args.tokenized, args.batches)
             distributed.check_same(phash, "params_hash (model, train, batch.max_tokens and the data)", ctx,
