@@ -46,6 +46,7 @@ class Dist:
     local_rank: int
     device: torch.device
     host_group: dist.ProcessGroup | None = None  # gloo group for flags and objects; None = the default group
+    startup_group: dist.ProcessGroup | None = None  # gloo, waiting STARTUP_MINUTES: ranks meeting (check_same)
 
     @property
     def is_main(self) -> bool:
@@ -85,13 +86,16 @@ def setup(devices: int, timeout_minutes: float) -> Dist:
         device = torch.device("cpu")
         torch.set_num_threads(max(1, available_cores() // local_world))
         backend = "gloo"
-    host_group = None
+    host_group = startup_group = None
     if world > 1:
         timeout = datetime.timedelta(minutes=timeout_minutes)
         dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
+        # A group's timeout bounds every wait in it, the other ranks' side of a barrier included: waiting for
+        # rank 0 to open MLflow and hash the data needs a group of its own, not a longer barrier timeout.
+        startup_group = dist.new_group(backend="gloo", timeout=max(timeout, datetime.timedelta(minutes=STARTUP_MINUTES)))
         if backend == "nccl":
             host_group = dist.new_group(backend="gloo", timeout=timeout)
-    return Dist(rank, world, local_rank, device, host_group)
+    return Dist(rank, world, local_rank, device, host_group, startup_group)
 
 
 def launched_by_torchrun() -> bool:
@@ -165,13 +169,12 @@ def gather_objects(obj: object, ctx: Dist) -> list:
     return out
 
 
-def check_same(value: str, what: str, ctx: Dist, timeout_minutes: float) -> None:
+def check_same(value: str, what: str, ctx: Dist) -> None:
     """Wait for every rank to start, then fail on every rank, naming the ranks and hosts, unless all hold the same
     `value` (e.g. a params hash). The wait allows STARTUP_MINUTES (rank 0 alone opens MLflow first), or
-    timeout_minutes if longer: a short collective timeout need not cover a slow start."""
+    train.timeout_minutes if longer (ctx.startup_group): a short collective timeout need not cover a slow start."""
     if ctx.world > 1:
-        wait = datetime.timedelta(minutes=max(STARTUP_MINUTES, timeout_minutes))
-        dist.monitored_barrier(ctx.host_group, timeout=wait, wait_all_ranks=True)
+        dist.monitored_barrier(ctx.startup_group, wait_all_ranks=True)
     seen = gather_objects((value, os.uname().nodename), ctx)
     odd = [f"rank {r} on {host}" for r, (v, host) in enumerate(seen) if v != seen[0][0]]
     if odd:

@@ -55,8 +55,7 @@ def main(argv: list[str] | None = None) -> None:
         with tracking.stage_run("train", args, enabled=ctx.is_main) as run:
             data = TrainingData.load(args.tokenized, args.batches)
             phash = params_hash(model_cfg, cfg, max_tokens, ctx.world, args.tokenized, args.batches)
-            distributed.check_same(phash, "params_hash (model, train, batch.max_tokens and the data)", ctx,
-                                   cfg.timeout_minutes)
+            distributed.check_same(phash, "params_hash (model, train, batch.max_tokens and the data)", ctx)
             trainer = Trainer(data, model_cfg, cfg, max_tokens, ctx, run, phash, args.checkpoints, args.plot)
             try:
                 metrics = trainer.fit()

@@ -121,3 +121,16 @@ def test_the_import_walk_finds_function_level_and_transitive_imports(tmp_path):
     missing, unused = missing_and_unused(stage, tmp_path)
     assert [str(p) for p in missing] == ["model/__init__.py", "model/c.py"]
     assert [str(p) for p in unused] == ["model/unused.py"]
+
+
+def test_checkpoints_are_kept_out_of_the_cache_and_the_averaged_model_is_cached():
+    """GBs of checkpoints are not copied into .dvc/cache; dvc.lock still hashes them, so average follows them.
+
+    tests/test_faults.py checks the same on a real `dvc repro` (slow).
+    """
+    stages = pipeline_stages()
+    outs = {path: opts for out in stages["train"]["outs"] for path, opts in
+            (out.items() if isinstance(out, dict) else [(out, {})])}
+    assert outs["data/checkpoints"] == {"cache": False, "persist": True}  # persist: a rerun resumes from them
+    assert "data/checkpoints" in stages["average"]["deps"]
+    assert stages["average"]["outs"] == ["data/model"]  # a plain out: cached

@@ -6,6 +6,7 @@ training process per node, on the tiny corpus of tests/train_fixtures.py.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import logging
@@ -22,8 +23,8 @@ from pipeline import distributed
 from pipeline.config import ParamsError, TrainConfig
 from pipeline.trainer import params_hash
 from stages import train
-from tests.multinode_smoke import (TOLERANCE, final_weights, max_difference, node_processes, run_one_process,
-                                   start_two_nodes)
+from tests.multinode_smoke import (TOLERANCE, final_weights, free_port, max_difference, node_processes,
+                                   run_one_process, start_two_nodes)
 from tests.train_fixtures import MODEL, TRAIN, stage_args, torchrun, write_corpus, write_params
 
 
@@ -53,7 +54,7 @@ def wait_all(nodes, root: Path, timeout: float = 300) -> list[int]:
 # --- one node's view: devices per node, timeouts, precision, what shapes the weights ----------------------
 
 
-def test_train_devices_counts_processes_per_node_and_the_timeout_reaches_every_process_group(monkeypatch):
+def test_train_devices_counts_processes_per_node_and_only_the_start_waits_past_the_timeout(monkeypatch):
     calls = {}
     monkeypatch.setenv("WORLD_SIZE", "16")  # 2 nodes x 8 GPUs; this is the second GPU of the second node
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
@@ -68,12 +69,28 @@ def test_train_devices_counts_processes_per_node_and_the_timeout_reaches_every_p
     assert (ctx.rank, ctx.world, ctx.local_rank, ctx.device) == (9, 16, 1, torch.device("cuda", 1))
     backend, kw = calls["init"]
     assert backend == "nccl" and kw["timeout"] == datetime.timedelta(seconds=30)
-    assert calls["groups"] == [{"backend": "gloo", "timeout": datetime.timedelta(seconds=30)}]  # host-side flags
-    assert ctx.host_group == "gloo"
+    assert calls["groups"] == [{"backend": "gloo", "timeout": datetime.timedelta(minutes=distributed.STARTUP_MINUTES)},
+                               {"backend": "gloo", "timeout": datetime.timedelta(seconds=30)}]  # start; host-side flags
+    assert ctx.startup_group == ctx.host_group == "gloo"
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun started 4 processes on this node, params say 8
     with pytest.raises(ParamsError, match=r"train\.devices=8 but 4 process\(es\) were started on this node.*--nnodes=N"):
         distributed.setup(8, timeout_minutes=0.5)
+
+
+def meet_late(rank: int, port: int, late_s: float) -> None:
+    """One process of a 2-node run (timeout late_s / 3) whose rank 0 reaches check_same late, as after opening MLflow."""
+    os.environ.update(WORLD_SIZE="2", LOCAL_WORLD_SIZE="1", RANK=str(rank), LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    ctx = distributed.setup(1, timeout_minutes=late_s / 3 / 60)
+    if ctx.is_main:
+        time.sleep(late_s)
+    distributed.check_same("the same", "a value", ctx)
+    distributed.teardown(ctx)
+
+
+def test_ranks_wait_for_a_slow_rank_0_at_the_start_longer_than_the_collective_timeout():
+    torch.multiprocessing.spawn(meet_late, args=(free_port(), 6.0), nprocs=2)  # raises if a process failed
 
 
 @pytest.mark.parametrize("capability, dtype", [((9, 0), torch.bfloat16), ((8, 0), torch.bfloat16),
@@ -158,9 +175,10 @@ def test_a_checkpoint_resumes_on_another_world_size_at_the_same_step_lr_and_data
             (ref["steps"], ref["epochs"], ref["train_tokens"])  # the same data position, the same batches
 
 
-def test_a_frozen_node_stops_the_other_within_the_timeout_and_a_restart_resumes(tmp_path, monkeypatch, store):
-    """Node 1 frozen (SIGSTOP: no process exits, no socket closes) right after the first checkpoint: node 0
-    fails within train.timeout_minutes, saying so; node 1 is then killed; both restart and resume."""
+@pytest.mark.parametrize("lost", [signal.SIGSTOP, signal.SIGKILL], ids=["frozen", "killed"])
+def test_a_lost_node_stops_the_other_within_the_timeout_and_a_restart_resumes(tmp_path, monkeypatch, store, lost):
+    """Node 1 frozen (SIGSTOP: no process exits, no socket closes) or killed (SIGKILL: its sockets close) right
+    after the first checkpoint: node 0 fails within train.timeout_minutes, saying so; both restart and resume."""
     root, reference = tmp_path / "nodes", tmp_path / "reference"
     keys = dict(max_steps=60, checkpoint_every=2, eval_every=0, log_every=10, timeout_minutes=0.2)  # 12 s
     for r in (root, reference):
@@ -176,14 +194,15 @@ def test_a_frozen_node_stops_the_other_within_the_timeout_and_a_restart_resumes(
         time.sleep(0.02)
     frozen = node_processes(nodes[1].pid)
     for pid in frozen:
-        os.kill(pid, signal.SIGSTOP)
+        os.kill(pid, lost)
     stopped = time.monotonic()
     try:
         assert nodes[0].wait(timeout=12 + 90) != 0
         waited = time.monotonic() - stopped
     finally:
         for pid in frozen:
-            os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):  # a killed worker may be gone already
+                os.kill(pid, signal.SIGKILL)
         nodes[1].wait()
     said = (root / "node0.log").read_text()
     assert "lost the other processes" in said and "train.timeout_minutes = 0.2" in said, said[-4000:]
