@@ -38,9 +38,9 @@ def brace_expand(pattern: str) -> set[str]:
 
 
 def test_every_make_target_the_readme_names_is_a_phony_target():
-    targets = set(re.findall(r"\bmake (\w+)", README))
+    targets = set(re.findall(r"\bmake ([\w-]+)", README))
     phony = set(re.search(r"^\.PHONY:(.*)$", MAKEFILE, re.M)[1].split())
-    defined = set(re.findall(r"^(\w+):", MAKEFILE, re.M))
+    defined = set(re.findall(r"^([\w-]+):", MAKEFILE, re.M))
     assert targets and targets <= defined and targets <= phony, (targets - defined, targets - phony)
 
 
