@@ -4,12 +4,14 @@ A stage is part of a pipeline run only when DVC runs it: `dvc repro` and `dvc ex
 DVC_STAGE to the stage's name and DVC_ROOT to the repository it runs in (dvc/stage/run.py,
 prepare_kwargs; torchrun passes both on to its workers). Anything else is a run by hand.
 
-A metrics file describes the current pipeline run when its stage is upstream of the running one
-(`dvc repro` has brought every upstream stage up to date before it starts this one) and DVC's own
-comparison of dvc.lock with the workspace finds that stage unchanged: same command, deps, params
-and outputs. Downstream files (an evaluate from an earlier model while train runs) never count.
-DVC's checks run without the repo lock (which the `dvc repro` running this stage holds); its
-hashes come from DVC's state database, so large outputs are not read again.
+A metrics file describes the current pipeline run when DVC finds its stage, and
+every stage upstream of it, unchanged against dvc.lock (DVC's own comparison of
+command, deps, params and outputs), the stage that is running counting as
+unchanged only once it has finished. So while train runs after a params change,
+evaluate's eval.json (an earlier model's) never counts; once a re-run stage has
+written the same outputs as before, the downstream stages DVC will skip do.
+DVC's checks run without the repo lock (which the `dvc repro` running this
+stage holds); its hashes go through DVC's state database, shared with DVC.
 """
 
 from __future__ import annotations
@@ -37,17 +39,27 @@ def unchanged(stage: Any) -> bool:
     return not (stage.changed_stage() or any(d.status() for d in stage.deps) or any(o.status() for o in stage.outs))
 
 
-def upstream_metrics(root: Path, stage: str) -> list[Path]:
-    """The metrics files of the stages upstream of `stage` in root's dvc.yaml that dvc.lock records as current."""
+def current_metrics(root: Path, stage: str, finished: bool) -> list[Path]:
+    """The metrics files of the other stages in root's dvc.yaml that describe this run (see above)."""
     if not (root / "dvc.lock").is_file():
         return []
     from dvc.repo import Repo
-    from dvc.repo.graph import get_subgraph_of_nodes
+    from networkx import dfs_postorder_nodes  # DVC's own graph library
 
     with Repo(str(root)) as repo:
         graph = repo.index.graph
-        node = next((s for s in graph if s.name == stage and Path(s.path).resolve().parent == root), None)
-        if node is None:
-            return []
-        upstream = [s for s in get_subgraph_of_nodes(graph, [node]) if s is not node]
-        return sorted(Path(o.fs_path) for s in upstream if unchanged(s) for o in s.outs if o.metric)
+        running = next((s for s in graph if s.name == stage and Path(s.path).resolve().parent == root), None)
+        known: dict[Any, bool] = {running: finished}
+
+        def current(node: Any) -> bool:
+            if node not in known:
+                known[node] = unchanged(node)
+            return known[node]
+
+        found = []
+        for node in graph:
+            metrics = [Path(o.fs_path) for o in node.outs if o.metric]
+            # upstream first (postorder), so a stage is checked only once all it depends on is current
+            if metrics and node is not running and all(current(n) for n in dfs_postorder_nodes(graph, node)):
+                found += metrics
+        return sorted(found)

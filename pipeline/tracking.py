@@ -23,10 +23,11 @@ sha256 of the git commit and the full params file, and tagged with git_commit,
 dvc_exp_name ($DVC_EXP_NAME, which dvc sets for queued/temp experiments),
 preset (data name and model size) and params_hash (sha256 of the params file).
 The parent holds the DVC metrics files as `<file stem>.<key>` (numbers as
-metrics, strings as tags), only those of this run: when a stage opens, the
-files of the upstream stages that dvc.lock records as current (so the parent
-shows the whole pipeline even when DVC skipped cached stages); when it
-finishes, its own --metrics file. A stage run by hand (`python -m stages.x`)
+metrics, strings as tags), only those of this run: when a stage opens, those
+that pipeline/lineage.py finds current (so the parent shows the whole pipeline
+even when DVC skipped cached stages); when it finishes, its own --metrics file
+and those found current once it counts as done (downstream stages that DVC
+will skip because this one wrote the same outputs as before). A stage run by hand (`python -m stages.x`)
 gets a run of its own, named `<stage> (by hand)` and tagged hand_run, with no
 parent and no metrics files: it never joins, nor changes, a pipeline run.
 Every stage's run is tagged `path.<argument>` with the paths it was given.
@@ -271,17 +272,17 @@ def _open_parent(client: Any, experiment_id: str, tags: dict[str, str]) -> str:
     return client.create_run(experiment_id, tags=tags, run_name=run_name).info.run_id
 
 
-def _upstream_metrics(stage: str) -> list[Path]:
-    """lineage.upstream_metrics of the repo the stage runs in; a DVC error costs a warning and the upstream record."""
+def _current_metrics(stage: str, finished: bool) -> list[Path]:
+    """lineage.current_metrics of the repo the stage runs in; a DVC error costs a warning and those files."""
     try:
-        return lineage.upstream_metrics(lineage.work_root(), stage)
+        return lineage.current_metrics(lineage.work_root(), stage, finished)
     except Exception as e:  # a broken dvc.yaml or dvc.lock must not stop the stage, by policy
-        log.warning("not copying upstream metrics into MLflow: DVC could not compare dvc.lock (%s)", e)
+        log.warning("not copying other stages' metrics into MLflow: DVC could not compare dvc.lock (%s)", e)
         return []
 
 
 def _open(client: Any, uri: str, stage: str, args: argparse.Namespace) -> tuple[str, str | None, list[Path]]:
-    """Create the stage's run (under its pipeline's parent when DVC runs it): (run_id, parent_id, upstream files)."""
+    """Create the stage's run (under its pipeline's parent when DVC runs it): (run_id, parent_id, current files)."""
     tags = pipeline_tags(Path(args.params))
     experiment_id = _experiment_id(client, f"{EXPERIMENT_PREFIX}-{tags['data_name']}", uri)
     own = {k: v for k, v in tags.items() if k != "pipeline_key"} | {"stage": stage}
@@ -289,10 +290,10 @@ def _open(client: Any, uri: str, stage: str, args: argparse.Namespace) -> tuple[
     if not lineage.run_by_dvc(stage):
         run = client.create_run(experiment_id, tags=own | {"hand_run": "true"}, run_name=f"{stage} (by hand)")
         return run.info.run_id, None, []
-    upstream = _upstream_metrics(stage)
+    current = _current_metrics(stage, finished=False)
     parent_id = _open_parent(client, experiment_id, tags)
     run = client.create_run(experiment_id, tags=own | {"mlflow.parentRunId": parent_id}, run_name=stage)
-    return run.info.run_id, parent_id, upstream
+    return run.info.run_id, parent_id, current
 
 
 def _copy_dvc_metrics(parent: StageRun, paths: list[Path]) -> None:
@@ -335,9 +336,9 @@ def stage_run(stage: str, args: argparse.Namespace, enabled: bool = True) -> Ite
     if opened is None:
         yield StageRun()
         return
-    run_id, parent_id, upstream = opened
+    run_id, parent_id, current = opened
     run, parent = StageRun(client, run_id, uri), StageRun(client, parent_id, uri)
-    _copy_dvc_metrics(parent, upstream)
+    _copy_dvc_metrics(parent, current)
     status = "FAILED"
     try:
         with _stop_on_signals():
@@ -348,6 +349,7 @@ def stage_run(stage: str, args: argparse.Namespace, enabled: bool = True) -> Ite
         raise
     finally:
         run._call(lambda: client.set_terminated(run_id, status=status))
-        if status == "FINISHED" and "metrics" in path_arguments(args):  # the stage's own --metrics file
-            _copy_dvc_metrics(parent, [path_arguments(args)["metrics"]])
+        if status == "FINISHED" and parent.active:  # its own --metrics file, and downstream ones DVC will skip
+            own = [path_arguments(args)["metrics"]] if "metrics" in path_arguments(args) else []
+            _copy_dvc_metrics(parent, own + _current_metrics(stage, finished=True))
         parent._call(lambda: client.set_terminated(parent_id, status=status))

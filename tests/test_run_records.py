@@ -4,6 +4,8 @@ One temporary repo (tests/pipeline_fixtures.py), the default store (mlflow.db at
 so that its parent run is named by its commit:
 
     A  `dvc repro`                                   the whole pipeline: a BLEU
+    S  translate.max_tokens 2000 -> 500, `dvc repro` translate re-runs, writes the same translations, and
+                                                     DVC skips evaluate: A's BLEU is this run's too
     B  train.max_steps 10 -> 15, `dvc repro train`   trains only: no BLEU (A's eval.json is still in metrics/)
     C  average.last_n 2 -> 50, `dvc repro`           train is current, average fails: no BLEU
     D  `python -m stages.evaluate --translations other ...` by hand, on other translations
@@ -49,7 +51,8 @@ def story(tmp_path_factory):
                              eval_every=5, log_every=5, checkpoint_every=5)
         params["average"]["last_n"] = 2
         params["translate"]["max_len_b"] = 5
-        for name, change, args in (("A", None, ["repro"]), ("B", ("train", "max_steps", 15), ["repro", "train"]),
+        for name, change, args in (("A", None, ["repro"]), ("S", ("translate", "max_tokens", 500), ["repro"]),
+                                   ("B", ("train", "max_steps", 15), ["repro", "train"]),
                                    ("C", ("average", "last_n", 50), ["repro"])):
             if change:
                 params[change[0]][change[1]] = change[2]
@@ -111,12 +114,23 @@ def test_train_only_and_failed_runs_after_a_full_run_carry_no_bleu(story):
     assert sorted(b["children"]) == ["train"] and sorted(c["children"]) == ["average"]
     assert c["children"]["average"].info.status == "FAILED" and c["parent"].info.status == "FAILED"
     rows = story["report_rows"]
-    assert set(rows) == {story["runs"][name]["commit"][:8] for name in "ABC"}
+    assert set(rows) == {story["runs"][name]["commit"][:8] for name in "ASBC"}
     full = rows[story["runs"]["A"]["commit"][:8]]
     assert full["BLEU (sacreBLEU)"] == f"{story['runs']['A']['eval']['bleu']:.2f}" and full["model"] != "-"
     for run in (b, c):
         row = rows[run["commit"][:8]]
         assert [row["BLEU (sacreBLEU)"], row["BLEU (tokenized, as the paper)"], row["chrF"]] == ["-"] * 3, row
+
+
+@pytest.mark.slow
+def test_a_run_whose_evaluate_dvc_skips_carries_the_bleu_of_its_unchanged_translations(story):
+    a, s = story["runs"]["A"], story["runs"]["S"]
+    assert s["rc"] == 0 and "Stage 'evaluate' didn't change, skipping" in s["output"], s["output"][-4000:]
+    assert sorted(s["children"]) == ["translate"]
+    assert s["parent"].data.metrics["eval.bleu"] == a["eval"]["bleu"]
+    assert s["parent"].data.metrics["train.steps"] == 10
+    row = story["report_rows"][s["commit"][:8]]
+    assert row["BLEU (sacreBLEU)"] == f"{a['eval']['bleu']:.2f}" and row["model"] != "-"
 
 
 @pytest.mark.slow
