@@ -12,6 +12,7 @@ VENV_BIN = Path(sys.executable).parent
 os.environ.setdefault("DVC_NO_ANALYTICS", "1")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("DO_NOT_TRACK", "true")
+os.environ.setdefault("PIPELINE_VIEWS", "0")  # pipeline/views.py: on only where a test checks them
 
 
 @pytest.fixture(autouse=True)
