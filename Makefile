@@ -9,7 +9,7 @@ export DVC_NO_ANALYTICS := 1
 export MLFLOW_DISABLE_TELEMETRY := true
 export DO_NOT_TRACK := 1
 
-.PHONY: install run test bench clean
+.PHONY: install run test bench clean ui inspect
 
 install: $(VENV)/.installed
 
@@ -30,6 +30,9 @@ bench: install
 	$(BIN)/python -m bench.data_scale
 	$(BIN)/python -m bench.train_throughput
 	$(BIN)/python -m bench.decode
+
+inspect: install
+	$(BIN)/python -m tools.inspect $(P)
 
 clean:
 	rm -rf $(VENV)

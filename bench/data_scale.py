@@ -13,9 +13,10 @@
 2. Runs `python -m stages.tokenize` (vocab 37000 as in Sec. 5.1; sentencepiece
    trained on `--input-sentence-size` sampled sentences, 1M by default to keep
    the run short, where the WMT preset samples 10M) and `python -m stages.batch`
-   (max_tokens 3125, the WMT presets' per-device batch), each as its own
-   process, exactly as DVC calls them, printing wall time and peak memory
-   (maxrss from wait4) per phase and the padding efficiency.
+   with the wmt14_en_de_base preset's batch and train params (max_tokens 3300 a
+   GPU, 8 GPUs, unless --max-tokens), each as its own process, exactly as DVC
+   calls them, printing wall time and peak memory (maxrss from wait4) per phase,
+   the padding efficiency and the real source and target tokens per step.
 3. Tokenizes Multi30k as the default preset does and prints the padding
    efficiency of stages.batch at max_tokens 2500 and 6000 beside the naive
    baseline (sort by (target, source) length, fill greedily), measured here.
@@ -43,6 +44,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from pipeline.config import compose
 from stages.batch import make_batches, model_lengths, padding_stats
 from pipeline.formats import Ragged
 
@@ -98,13 +100,13 @@ def synthesize(pool: dict, pairs: int, raw: Path, seed: int = 0) -> None:
             (raw / f"{split}.{lang}").write_text("\n".join(pool[corpus][lang]) + "\n", encoding="utf-8")
 
 
-def write_params(path: Path, vocab_size: int, input_sentence_size: int, max_tokens: int) -> None:
-    params = {
-        "data": {"name": "bench", "src_lang": "en", "tgt_lang": "de", "train": [], "valid": [], "test": []},
-        "tokenize": {"model_type": "bpe", "vocab_size": vocab_size, "character_coverage": 1.0,
-                     "input_sentence_size": input_sentence_size, "max_len": 256, "max_len_ratio": 3.0, "seed": 1},
-        "batch": {"max_tokens": max_tokens, "seed": 1},
-    }
+def write_params(path: Path, vocab_size: int, input_sentence_size: int, max_tokens: int | None = None) -> None:
+    """The wmt14_en_de_base preset's params with these knobs; a max_tokens given also sets one batch per GPU a step."""
+    params = compose(["experiment=wmt14_en_de_base"])
+    params["tokenize"] |= {"vocab_size": vocab_size, "input_sentence_size": input_sentence_size}
+    if max_tokens is not None:
+        params["batch"]["max_tokens"] = max_tokens
+        params["train"]["tokens_per_step"] = max_tokens * params["train"]["devices"]
     path.write_text(yaml.safe_dump(params, sort_keys=False), encoding="utf-8")
 
 
@@ -163,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--mirror", type=Path, default=Path(default_mirror))
     parser.add_argument("--work", type=Path, default=None, help="kept if given; else a temporary directory")
     parser.add_argument("--input-sentence-size", type=int, default=1_000_000)
-    parser.add_argument("--max-tokens", type=int, default=3125)
+    parser.add_argument("--max-tokens", type=int, default=None, help="default: the preset's batch.max_tokens")
     args = parser.parse_args(argv)
     work = args.work or Path(tempfile.mkdtemp(prefix="data_scale."))
     try:
@@ -193,9 +195,13 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  batch:    {bat_s / 60:.1f} min wall, {bat_cpu / 60:.1f} min CPU, peak {bat_gib:.2f} GiB")
         print(f"  tokenize + batch: {(tok_s + bat_s) / 60:.1f} min (target < 15), peak {max(tok_gib, bat_gib):.2f} GiB "
               "(target < 6)")
-        naive = padding_stats(S, T, naive_batches(S, T, args.max_tokens))["padding_efficiency"]
-        print(f"  padding efficiency at max_tokens {args.max_tokens}: {bm['padding_efficiency']:.4f} (target >= 0.97; "
+        naive = padding_stats(S, T, naive_batches(S, T, bm["max_tokens"]))["padding_efficiency"]
+        print(f"  padding efficiency at max_tokens {bm['max_tokens']}: {bm['padding_efficiency']:.4f} (target >= 0.97; "
               f"naive {naive:.4f}), {bm['num_batches']} batches of {bm['sentences_per_batch_mean']:.1f} pairs")
+        for side in ("src", "tgt"):
+            print(f"  real {side} tokens per step ({bm['batches_per_step']} batches): "
+                  f"mean {bm[f'{side}_tokens_per_step_mean']:.0f}, min {bm[f'{side}_tokens_per_step_min']}, "
+                  f"max {bm[f'{side}_tokens_per_step_max']} (Sec. 5.1: ~25000)")
         multi30k_efficiency(args.mirror, work)
     finally:
         if args.work is None:

@@ -3,25 +3,28 @@
 Built once from params (pipeline.config.load(path, "model", ModelConfig)) and
 passed as one object to the model, the FLOPs count, tracking and the benchmarks.
 The vocabulary size is not here: it is the tokenize stage's output
-(data/tokenized/meta.json), passed beside the config.
+(data/tokenized/meta.json), passed beside the config. Each field's metadata
+declares its valid values (pipeline/config.py checks them at load, naming the key).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    n_layers: int  # N, in each of the encoder and decoder stacks (Sec. 3.1)
-    d_model: int
-    d_ff: int  # inner dimension of the feed-forward networks (Sec. 3.3)
-    n_heads: int  # h (Sec. 3.2.2)
-    d_k: int
-    d_v: int
-    dropout: float  # P_drop (Sec. 5.4)
-    positional_encoding: str  # "sinusoidal" (Sec. 3.5) or "learned" (Table 3 row E)
-    max_positions: int  # longest sequence the positional encoding covers
+    n_layers: int = field(metadata={"range": "[1, inf)"})  # N, in each of the encoder and decoder stacks (Sec. 3.1)
+    # even: the sinusoidal encoding pairs a sine and a cosine per frequency (Sec. 3.5)
+    d_model: int = field(metadata={"range": "[2, inf)", "multiple_of": 2})
+    d_ff: int = field(metadata={"range": "[1, inf)"})  # inner dimension of the feed-forward networks (Sec. 3.3)
+    n_heads: int = field(metadata={"range": "[1, inf)"})  # h (Sec. 3.2.2)
+    d_k: int = field(metadata={"range": "[1, inf)"})
+    d_v: int = field(metadata={"range": "[1, inf)"})
+    dropout: float = field(metadata={"range": "[0, 1)"})  # P_drop (Sec. 5.4)
+    # "sinusoidal" (Sec. 3.5) or "learned" (Table 3 row E)
+    positional_encoding: str = field(metadata={"choices": ("sinusoidal", "learned")})
+    max_positions: int = field(metadata={"range": "[1, inf)"})  # longest sequence the positional encoding covers
 
     def shape(self) -> dict[str, int]:
         """The fields that set the parameter count and the FLOPs (Table 3's size columns)."""

@@ -35,7 +35,8 @@ import torch
 from model.config import ModelConfig
 from model.transformer import Transformer
 from pipeline import faults
-from pipeline.files import atomic_file, write_text
+from pipeline.errors import PipelineError
+from pipeline.files import InputError, atomic_file, write_text
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ SIDECAR_SUFFIX = ".sha256"
 HASH_CHUNK = 1 << 22
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(PipelineError):
     """A checkpoint cannot be read; the message names the file."""
 
 
@@ -135,20 +136,32 @@ def load_checkpoint(path: str | Path) -> dict:
     except FileNotFoundError:
         raise CheckpointError(f"{path}: checkpoint not found") from None
     except Exception as e:
-        raise CheckpointError(f"{path}: cannot load checkpoint: {e}") from e
+        raise CheckpointError(f"{path}: cannot load checkpoint: {_reason(e)}") from e
     if not isinstance(payload, dict) or "model" not in payload:
         raise CheckpointError(f"{path}: not a training checkpoint (expected a dict with 'model')")
     return payload
+
+
+def _reason(e: Exception) -> str:
+    """torch.load's error in one line: for a weights_only refusal, what it refused (its message runs to ten lines)."""
+    text = str(e)
+    if "WeightsUnpickler error:" in text:
+        refused = text.split("WeightsUnpickler error:", 1)[1].strip().split("\n\n")[0].split(". ")[0]
+        text = f"weights only load failed: {refused} (not a checkpoint of this pipeline, or a corrupt one)"
+    return " ".join(text.split()) or f"{type(e).__name__} (an empty or truncated file?)"
 
 
 def load_model(model_dir: str | Path, device: torch.device) -> Transformer:
     """The averaged model of <model_dir>/model.pt (the average stage's output), in eval mode on `device`."""
     path = Path(model_dir) / "model.pt"
     if not path.exists():
-        raise FileNotFoundError(f"{path}: missing; run the average stage first")
+        raise InputError(f"{path}: missing; run the average stage first")
     saved = load_checkpoint(path)  # torch.load(weights_only=True); a refusal names the file
-    model = Transformer(ModelConfig(**saved["model_config"]), saved["vocab_size"])
-    model.load_state_dict(saved["model"])
+    try:
+        model = Transformer(ModelConfig(**saved["model_config"]), saved["vocab_size"])
+        model.load_state_dict(saved["model"])
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"{path}: not a model the average stage wrote ({type(e).__name__}: {e})") from e
     return model.to(device).eval()
 
 
@@ -158,7 +171,9 @@ def resume_point(directory: str | Path, params_hash: str) -> tuple[Path, dict] |
     Unsealed or corrupt files newer than the one resumed are deleted (a run
     would overwrite them anyway, and they would outlive newer ones in the
     rotation). When nothing can be resumed, all step files move to
-    `<directory>.stale/<time>/`, logged, so a fresh run starts from an empty directory.
+    `<directory>.stale/<time>/`, logged, so a fresh run starts from an empty directory;
+    only that last set is kept: what earlier changes set aside is deleted, logged
+    (each set is a run's worth of checkpoints: ~800 MB for the base model).
     """
     directory = Path(directory)
     for tmp in directory.glob(".step_*.tmp") if directory.is_dir() else []:  # a write killed before its rename
@@ -176,7 +191,14 @@ def resume_point(directory: str | Path, params_hash: str) -> tuple[Path, dict] |
         return newest, payload
     old = step_files(directory)
     if old:
-        aside = directory.with_name(f"{directory.name}.stale") / time.strftime("%Y%m%d-%H%M%S")
+        stale = directory.with_name(f"{directory.name}.stale")
+        for earlier in sorted(stale.iterdir()) if stale.is_dir() else []:
+            log.warning("deleting %s, set aside by an earlier params change (only the last set is kept)", earlier)
+            if earlier.is_dir() and not earlier.is_symlink():
+                shutil.rmtree(earlier)
+            else:
+                earlier.unlink()
+        aside = stale / time.strftime("%Y%m%d-%H%M%S")
         aside.mkdir(parents=True, exist_ok=True)
         for _, path in old:
             for p in (path, sidecar(path)):

@@ -1,12 +1,32 @@
-"""What every stage's command line shares: its path arguments, --params, and log lines with timestamps."""
+"""What every stage's command line shares: its path arguments, --params, log lines, and one line per failure.
+
+    if __name__ == "__main__":
+        cli.run(main)
+
+runs a stage's main(). An expected failure (pipeline.errors.PipelineError, or
+an OSError naming a file) ends as one line on stderr, `<stage>: error:
+<message>`, and exit status 2; Ctrl-C as one line, `<stage>: interrupted...`,
+and status 130. Anything else is a bug and keeps its traceback (exit 1), as
+does every failure when TRANSFORMER_TRACEBACK=1.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
+import sys
+import time
 from pathlib import Path
+from typing import Callable, NoReturn
+
+from pipeline.errors import PipelineError
 
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
+TRACEBACK_ENV = "TRANSFORMER_TRACEBACK"
+EXIT_ERROR, EXIT_INTERRUPTED = 2, 130  # 130 = 128 + SIGINT, as a shell reports Ctrl-C
+ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"  # set by torchrun for each process: where it looks for a failure's message
 
 
 def stage_parser(doc: str, *paths: str) -> argparse.ArgumentParser:
@@ -28,3 +48,30 @@ def start(doc: str, argv: list[str] | None, *paths: str) -> argparse.Namespace:
     args = stage_parser(doc, *paths).parse_args(argv)
     setup_logging()
     return args
+
+
+def run(main: Callable[[], None]) -> None:
+    """Run a stage's main() as its command: expected failures and Ctrl-C end as one line on stderr (module doc)."""
+    stage = Path(main.__code__.co_filename).stem
+    try:
+        main()
+    except PipelineError as e:
+        _fail(stage, "error", str(e), EXIT_ERROR)
+    except OSError as e:
+        if e.filename is None:
+            raise
+        _fail(stage, "error", f"{e.filename}: {e.strerror or e}", EXIT_ERROR)
+    except KeyboardInterrupt as e:
+        _fail(stage, "interrupted", str(e) or "stopped by Ctrl-C", EXIT_INTERRUPTED)
+
+
+def _fail(stage: str, what: str, message: str, status: int) -> NoReturn:
+    """Print `<stage>: <what>: <message>` (or, with TRANSFORMER_TRACEBACK=1, re-raise), record it for torchrun, exit."""
+    if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
+        raise
+    line = f"{stage}: {what}: {message}"
+    if error_file := os.environ.get(ERROR_FILE_ENV):  # torchrun's format; pipeline.distributed.launch prints it last
+        Path(error_file).write_text(json.dumps({"message": line, "timestamp": int(time.time())}))
+    logging.shutdown()  # flush the log lines before the last one
+    print(line, file=sys.stderr, flush=True)
+    sys.exit(status)

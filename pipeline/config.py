@@ -5,28 +5,73 @@
                                             # write conf/ composed (what `dvc exp run -S` does)
 
 Field names are the params keys (the paper's symbols). There are no defaults:
-a missing, unknown or mistyped key fails at load with its dotted name.
+a missing, unknown or mistyped key fails at load with its dotted name, and so
+does a value outside the range or set its field declares (see "what a value
+may be"), naming the value and what is allowed.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 import types
 import typing
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, TypeVar
+import urllib.parse
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any, Callable, TypeVar
 
 import yaml
 
 from model.config import ModelConfig
+from pipeline.errors import PipelineError
 
 T = TypeVar("T")
 
 
-class ParamsError(ValueError):
+class ParamsError(PipelineError, ValueError):
     """A params file does not match the schema; the message names the key."""
+
+
+# --- what a value may be ------------------------------------------------------------
+# Every field declares its valid values in its metadata, checked at load with the key's name:
+#   "range": an interval such as "[1, inf)" or "(0, 1]" for a number; for a list, its number of items
+#   "multiple_of": an integer the value must be a multiple of
+#   "choices": the allowed strings
+#   "format": a FORMATS name, the form a string must have (None passes where the type allows it)
+
+
+def safe_relpath(path: str) -> bool:
+    """True for a relative path that stays inside the directory it is joined to."""
+    parts = PurePosixPath(path).parts
+    return bool(parts) and not path.startswith("/") and ".." not in parts and "\\" not in path
+
+
+def url_parts(url: str) -> tuple[str, str]:
+    """(host, unquoted path) of an http(s) URL naming a file: the mirror and cache layout (pipeline/fetch.py)."""
+    parts = urllib.parse.urlsplit(url)
+    path = urllib.parse.unquote(parts.path).lstrip("/")
+    if parts.scheme not in ("http", "https") or not parts.netloc or path.endswith("/") or not safe_relpath(path):
+        raise ValueError(f"not an http(s) URL of a file: {url!r}")
+    return parts.netloc, path
+
+
+def _is_url(url: str) -> bool:
+    try:
+        return bool(url_parts(url))
+    except ValueError:
+        return False
+
+
+FORMATS: dict[str, tuple[Callable[[str], bool], str]] = {
+    "name": (re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*").fullmatch, "letters, digits, '.', '_' or '-'"),
+    "lang": (re.compile(r"[a-z]{2,3}").fullmatch, "a 2- or 3-letter lowercase language code"),
+    "url": (_is_url, "an http(s) URL of a file"),
+    "member": (safe_relpath, "a relative path inside the archive, without '..'"),
+    "sha256": (re.compile(r"[0-9a-f]{64}").fullmatch, "64 lowercase hex digits"),
+}
+SEED = {"range": "[0, 4294967295]"}  # numpy's and torch's seeds
 
 
 # --- data -------------------------------------------------------------------
@@ -42,45 +87,48 @@ class FileSource:
     hash it saw).
     """
 
-    url: str
-    member: str | None
-    sha256: str | None
+    url: str = field(metadata={"format": "url"})
+    member: str | None = field(metadata={"format": "member"})
+    sha256: str | None = field(metadata={"format": "sha256"})
 
 
 @dataclass(frozen=True)
 class ParallelCorpus:
     """An aligned pair of files; a split concatenates its corpora in order."""
 
-    name: str
+    name: str = field(metadata={"format": "name"})
     src: FileSource
     tgt: FileSource
 
 
 @dataclass(frozen=True)
 class DataConfig:
-    name: str
-    src_lang: str
-    tgt_lang: str
-    train: tuple[ParallelCorpus, ...]
-    valid: tuple[ParallelCorpus, ...]
-    test: tuple[ParallelCorpus, ...]
+    name: str = field(metadata={"format": "name"})
+    src_lang: str = field(metadata={"format": "lang"})  # also a file suffix: data/raw/train.{src_lang}
+    tgt_lang: str = field(metadata={"format": "lang"})  # must differ from src_lang (checked at load)
+    train: tuple[ParallelCorpus, ...] = field(metadata={"range": "[1, inf)"})
+    valid: tuple[ParallelCorpus, ...] = field(metadata={"range": "[1, inf)"})
+    test: tuple[ParallelCorpus, ...] = field(metadata={"range": "[1, inf)"})
 
 
 @dataclass(frozen=True)
 class TokenizeConfig:
-    model_type: str  # sentencepiece model type: "bpe" or "unigram"
-    vocab_size: int
-    character_coverage: float
-    input_sentence_size: int  # sentences sampled to train sentencepiece; 0 = all
-    max_len: int  # training pairs longer than this (in tokens, either side) are dropped
-    max_len_ratio: float  # ... and pairs whose longer/shorter length ratio exceeds this
-    seed: int
+    model_type: str = field(metadata={"choices": ("bpe", "unigram")})  # sentencepiece model type
+    # above the 4 special ids; at most 65536: ids are stored as uint16 (pipeline/formats.py)
+    vocab_size: int = field(metadata={"range": "[5, 65536]"})
+    character_coverage: float = field(metadata={"range": "(0, 1]"})
+    input_sentence_size: int = field(metadata={"range": "[0, inf)"})  # sentences sampled to train sentencepiece; 0: all
+    # training pairs longer than this (in tokens, either side) are dropped ...
+    max_len: int = field(metadata={"range": "[1, inf)"})
+    max_len_ratio: float = field(metadata={"range": "[1, inf)"})  # ... and pairs whose longer/shorter ratio exceeds this
+    seed: int = field(metadata=SEED)
 
 
 @dataclass(frozen=True)
 class BatchConfig:
-    max_tokens: int  # padded source tokens and padded target tokens per batch, each, per device
-    seed: int
+    # padded tokens per batch and device, each side: n pairs x the longest side of the longest pair
+    max_tokens: int = field(metadata={"range": "[1, inf)"})
+    seed: int = field(metadata=SEED)
 
 
 # --- model and training -------------------------------------------------------
@@ -88,41 +136,45 @@ class BatchConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    devices: int  # torchrun processes (GPUs, or CPU processes)
-    tokens_per_step: int  # target tokens per optimizer step; sets gradient accumulation
-    max_steps: int
-    max_minutes: float  # wall-clock safety stop, 0 = none; recorded as metrics stopped_by = "max_minutes" when it fires
-    warmup_steps: int
-    lr_factor: float  # multiplies the paper's schedule (1.0 = the paper)
-    adam_beta1: float
-    adam_beta2: float
-    adam_eps: float
-    label_smoothing: float
-    eval_every: int  # steps between validation runs
-    log_every: int  # steps between logged training points
-    checkpoint_minutes: float  # 0 = off
-    checkpoint_every: int  # steps; 0 = off
-    keep_checkpoints: int
-    seed: int
+    devices: int = field(metadata={"range": "[1, inf)"})  # processes (GPUs, or CPU processes)
+    # padded tokens (batch.max_tokens' units) per optimizer step; sets gradient accumulation
+    tokens_per_step: int = field(metadata={"range": "[1, inf)"})
+    max_steps: int = field(metadata={"range": "[1, inf)"})
+    # wall-clock safety stop, 0 = none; recorded as metrics stopped_by = "max_minutes" when it fires
+    max_minutes: float = field(metadata={"range": "[0, inf)"})
+    warmup_steps: int = field(metadata={"range": "[1, inf)"})
+    lr_factor: float = field(metadata={"range": "(0, inf)"})  # multiplies the paper's schedule (1.0 = the paper)
+    adam_beta1: float = field(metadata={"range": "[0, 1)"})
+    adam_beta2: float = field(metadata={"range": "[0, 1)"})
+    adam_eps: float = field(metadata={"range": "(0, inf)"})
+    label_smoothing: float = field(metadata={"range": "[0, 1)"})
+    eval_every: int = field(metadata={"range": "[0, inf)"})  # steps between validation runs; 0 = at the end only
+    log_every: int = field(metadata={"range": "[1, inf)"})  # steps between logged training points
+    checkpoint_minutes: float = field(metadata={"range": "[0, inf)"})  # 0 = off
+    checkpoint_every: int = field(metadata={"range": "[0, inf)"})  # steps; 0 = off
+    keep_checkpoints: int = field(metadata={"range": "[1, inf)"})  # at least average.last_n (checked by load_all)
+    seed: int = field(metadata=SEED)
 
 
 @dataclass(frozen=True)
 class AverageConfig:
-    last_n: int
+    last_n: int = field(metadata={"range": "[1, inf)"})
 
 
 @dataclass(frozen=True)
 class TranslateConfig:
-    beam_size: int
-    length_penalty: float  # alpha of the GNMT penalty ((5 + |Y|) / 6)^alpha
-    max_len_a: float  # maximum output length = max_len_a * source length + max_len_b
-    max_len_b: int
-    max_tokens: int  # source tokens per decoding batch
+    beam_size: int = field(metadata={"range": "[1, inf)"})
+    length_penalty: float = field(metadata={"range": "[0, inf)"})  # alpha of the GNMT penalty ((5 + |Y|) / 6)^alpha
+    # maximum output length = max_len_a * source length + max_len_b
+    max_len_a: float = field(metadata={"range": "[0, inf)"})
+    max_len_b: int = field(metadata={"range": "[0, inf)"})
+    max_tokens: int = field(metadata={"range": "[1, inf)"})  # source tokens per decoding batch
 
 
 @dataclass(frozen=True)
 class EvaluateConfig:
-    tokenize: str  # sacreBLEU tokenizer ("13a")
+    # sacreBLEU's tokenizer; those that need no extra package or download
+    tokenize: str = field(metadata={"choices": ("13a", "intl", "char", "zh", "none")})
 
 
 SECTIONS: dict[str, type] = {
@@ -167,18 +219,57 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
     return value
 
 
+def _within(value: float, interval: str) -> bool:
+    """Whether `value` lies in an interval written "[lo, hi)", "(lo, hi]"... ("inf" for no bound)."""
+    left, lo, hi, right = re.fullmatch(r"([\[(])(\S+), (\S+)([\])])", interval).groups()
+    low, high = float(lo), float(hi)
+    return (value >= low if left == "[" else value > low) and (value <= high if right == "]" else value < high)
+
+
+def check_value(value: Any, meta: typing.Mapping, key: str) -> None:
+    """Refuse a value outside what its field's metadata declares (see "what a value may be"), naming the key."""
+    if value is None:
+        return
+    if "range" in meta and isinstance(value, tuple) and not _within(len(value), meta["range"]):
+        raise ParamsError(f"{key}: {len(value)} item(s); expected a number of items in {meta['range']}")
+    if "range" in meta and not isinstance(value, tuple) and not _within(value, meta["range"]):
+        kind = "an integer" if isinstance(value, int) else "a number"
+        raise ParamsError(f"{key} = {value!r}: expected {kind} in {meta['range']}")
+    if "multiple_of" in meta and value % meta["multiple_of"]:
+        raise ParamsError(f"{key} = {value!r}: expected a multiple of {meta['multiple_of']}")
+    if "choices" in meta and value not in meta["choices"]:
+        raise ParamsError(f"{key} = {value!r}: expected one of {', '.join(map(repr, meta['choices']))}")
+    if "format" in meta:
+        matches, expected = FORMATS[meta["format"]]
+        if not matches(value):
+            raise ParamsError(f"{key} = {value!r}: expected {expected}")
+
+
+def check_relations(obj: Any, key: str) -> None:
+    """The rules between fields of one section."""
+    if isinstance(obj, DataConfig) and obj.src_lang == obj.tgt_lang:
+        raise ParamsError(f"{key}.tgt_lang = {obj.tgt_lang!r}: expected a language other than {key}.src_lang")
+
+
 def _to_dataclass(raw: Any, cls: type[T], key: str) -> T:
     if not isinstance(raw, dict):
         raise ParamsError(f"{key}: expected a mapping of {cls.__name__} fields, got {raw!r}")
     hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
+    fields = dataclasses.fields(cls)
+    names = [f.name for f in fields]
     unknown = sorted(set(raw) - set(names))
     if unknown:
         raise ParamsError(f"{key}: unknown key(s) {', '.join(f'{key}.{u}' for u in unknown)}; expected {names}")
     missing = [n for n in names if n not in raw]
     if missing:
         raise ParamsError(f"{key}: missing key(s) {', '.join(f'{key}.{m}' for m in missing)}")
-    return cls(**{n: _convert(raw[n], hints[n], f"{key}.{n}") for n in names})
+    values = {}
+    for f in fields:
+        values[f.name] = _convert(raw[f.name], hints[f.name], f"{key}.{f.name}")
+        check_value(values[f.name], f.metadata, f"{key}.{f.name}")
+    obj = cls(**values)
+    check_relations(obj, key)
+    return obj
 
 
 def read_yaml(path: str | Path) -> dict:
@@ -212,12 +303,18 @@ def load(path: str | Path, section: str, cls: type[T]) -> T:
 
 
 def load_all(path: str | Path) -> dict[str, Any]:
-    """Load and validate every section; unknown sections are an error too."""
+    """Load and validate every section, and the rules between sections; unknown sections are an error too."""
     raw = read_yaml(path)
     unknown = sorted(set(raw) - set(SECTIONS))
     if unknown:
         raise ParamsError(f"{path}: unknown section(s) {unknown}; expected {list(SECTIONS)}")
-    return {name: load(path, name, cls) for name, cls in SECTIONS.items()}
+    sections = {name: load(path, name, cls) for name, cls in SECTIONS.items()}
+    # Checked here, not by a stage: the train stage reading average.last_n would re-run training when it changes.
+    keep, last_n = sections["train"].keep_checkpoints, sections["average"].last_n
+    if keep < last_n:
+        raise ParamsError(f"{path}: train.keep_checkpoints = {keep}: expected at least average.last_n = {last_n}, "
+                          "or there are not enough checkpoints to average")
+    return sections
 
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
@@ -254,4 +351,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from pipeline import cli
+
+    cli.run(main)

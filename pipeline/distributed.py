@@ -1,4 +1,4 @@
-"""Data-parallel plumbing for the train stage: processes, devices, who trains on which batch.
+"""Data-parallel plumbing for the train stage: processes, devices (their peak: pipeline/peak.py; which batches: pipeline/steps.py).
 
 torchrun sets RANK, WORLD_SIZE and LOCAL_RANK; without them (plain `python -m
 stages.train`) there is one process and no process group at all. GPUs: one per
@@ -8,13 +8,14 @@ process, NCCL. CPUs: `train.devices` gloo processes sharing the cores.
 from __future__ import annotations
 
 import logging
-import math
 import os
+import sys
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.distributed as dist
+
+from pipeline.config import ParamsError
 
 log = logging.getLogger(__name__)
 
@@ -46,12 +47,12 @@ def setup(devices: int) -> Dist:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     if world != devices:
-        raise ValueError(
-            f"train.devices={devices} but {world} process(es) were started; run "
-            f"`torchrun --standalone --nproc_per_node={devices} -m stages.train ...` (as dvc.yaml does)")
+        raise ParamsError(
+            f"train.devices={devices} but {world} process(es) were started; run `python -m stages.train ...` "
+            f"(as dvc.yaml does: it starts train.devices processes) or `torchrun --nproc_per_node={devices} ...`")
     if torch.cuda.is_available():
         if devices > torch.cuda.device_count():
-            raise ValueError(f"train.devices={devices} but this machine has {torch.cuda.device_count()} GPU(s)")
+            raise ParamsError(f"train.devices={devices} but this machine has {torch.cuda.device_count()} GPU(s)")
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         backend = "nccl"
@@ -64,36 +65,41 @@ def setup(devices: int) -> Dist:
     return Dist(rank, world, local_rank, device)
 
 
+def launched_by_torchrun() -> bool:
+    """True in a process torchrun started (it sets LOCAL_RANK), False in the command a user or DVC ran."""
+    return "LOCAL_RANK" in os.environ
+
+
+def launch(devices: int, module: str, args: list[str]) -> None:
+    """Run `python -m module args` in `devices` processes, as `torchrun --standalone` does; exit as they did on a failure.
+
+    torchrun itself would end a failure with its own traceback and banner, burying the
+    process's message; here the last line is that message (the `<stage>: error: ...` line
+    pipeline.cli.run recorded in TORCHELASTIC_ERROR_FILE), or which process failed and how.
+    """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed")]:
+        logging.getLogger(name).setLevel(logging.CRITICAL)  # torchrun's own notices and its failure report
+    try:
+        run(parse_args(["--standalone", f"--nproc_per_node={devices}", "-m", module, *args]))
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        line = failure.error_file_data.get("message")
+        if not isinstance(line, str):  # no line recorded: a crash, with its traceback above
+            how = f"was killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exited with {failure.exitcode}"
+            line = f"{module.rsplit('.', 1)[-1]}: error: process {rank} of {devices} {how}; its output is above"
+        print(line, file=sys.stderr, flush=True)
+        sys.exit(failure.exitcode if failure.exitcode > 0 else 1)
+    except SignalException as e:  # Ctrl-C or a kill: each process says where it stopped
+        sys.exit(128 + e.sigval)
+
+
 def teardown(ctx: Dist) -> None:
     if ctx.world > 1 and dist.is_initialized():
         dist.destroy_process_group()
-
-
-def grad_accumulation(tokens_per_step: int, max_tokens: int, devices: int) -> int:
-    """Micro-batches per device per step: ceil(tokens_per_step / (max_tokens x devices)).
-
-    Sec. 5.1 trains on ~25000 target tokens per step (8 GPUs of ~3100 each).
-    A batch holds at most batch.max_tokens, so each of `devices` processes
-    accumulates this many batches before the update: the tokens per step stay
-    what train.tokens_per_step says however many devices run (users change only
-    train.devices; the accumulation follows).
-    """
-    return max(1, math.ceil(tokens_per_step / (max_tokens * devices)))
-
-
-def epoch_order(num_batches: int, seed: int, epoch: int) -> np.ndarray:
-    """The shuffled batch order of one epoch; the same in every process (seeded by seed + epoch)."""
-    return np.random.default_rng(seed + epoch).permutation(num_batches)
-
-
-def rank_share(step_batches: np.ndarray, rank: int, world: int) -> tuple[list[int], int]:
-    """This rank's batches of one step (every world-th, from `rank`) and the micro-batch count all ranks run.
-
-    At an epoch's tail the step holds fewer than world x accumulation batches;
-    ranks left short run zero-weighted micro-batches so every rank joins every
-    gradient all-reduce.
-    """
-    return [int(b) for b in step_batches[rank::world]], math.ceil(len(step_batches) / world)
 
 
 def all_sum(t: torch.Tensor, ctx: Dist) -> torch.Tensor:

@@ -25,7 +25,8 @@ import requests
 import urllib3
 from tqdm import tqdm
 
-from pipeline.config import FileSource
+from pipeline.config import FileSource, safe_relpath, url_parts
+from pipeline.errors import PipelineError
 from pipeline.files import OutputError, atomic_file
 
 log = logging.getLogger(__name__)
@@ -35,11 +36,12 @@ ARCHIVE_SUFFIXES = (".tgz", ".tar.gz", ".tar")
 TRIES = 5  # HTTP attempts per file
 BACKOFF_S = 1.0  # delay before the first retry, doubled before each next one (tests shrink it)
 TIMEOUT_S = (10.0, 60.0)  # connect, read
+HEAD_TIMEOUT_S = (5.0, 10.0)  # the availability check before any download
 CHUNK = 1 << 20
 
 
 
-class DownloadError(RuntimeError):
+class DownloadError(PipelineError):
     """A corpus could not be fetched, verified or read; the message names the file."""
 
 
@@ -65,28 +67,14 @@ _RETRYABLE = (
 
 
 class Local(NamedTuple):
-    """Where a FileSource's verified bytes are on disk, and their sha256."""
+    """Where a FileSource's verified bytes are on disk, their sha256, and the mirror file or URL they came from."""
 
     path: Path
     sha256: str
+    origin: str | None = None  # set when CORPUS_MIRROR supplied the bytes: what was actually read
 
 
 # --- URLs and paths ---------------------------------------------------------------
-
-
-def safe_relpath(path: str) -> bool:
-    """True for a relative path that stays inside the directory it is joined to."""
-    parts = PurePosixPath(path).parts
-    return bool(parts) and not path.startswith("/") and ".." not in parts and "\\" not in path
-
-
-def url_parts(url: str) -> tuple[str, str]:
-    """(host, unquoted path) of an http(s) URL naming a file: the mirror and cache layout."""
-    parts = urllib.parse.urlsplit(url)
-    path = urllib.parse.unquote(parts.path).lstrip("/")
-    if parts.scheme not in ("http", "https") or not parts.netloc or path.endswith("/") or not safe_relpath(path):
-        raise ValueError(f"not an http(s) URL of a file: {url!r}")
-    return parts.netloc, path
 
 
 def is_archive(url: str) -> bool:
@@ -94,9 +82,10 @@ def is_archive(url: str) -> bool:
     return urllib.parse.urlsplit(url).path.lower().endswith(ARCHIVE_SUFFIXES)
 
 
-def label_of(source: FileSource) -> str:
-    """How messages name a source: its URL, and the member if it has one."""
-    return source.url if source.member is None else f"{source.url} member {source.member}"
+def label_of(source: FileSource, origin: str | None = None) -> str:
+    """How messages name a source: its URL, the member if it has one, and the mirror copy read instead, if any."""
+    label = source.url if source.member is None else f"{source.url} member {source.member}"
+    return label if origin is None else f"{label} (read from {MIRROR_ENV} copy {origin})"
 
 
 # --- fetching: cache, mirror, HTTP ---------------------------------------------------
@@ -108,19 +97,21 @@ def sha256_of(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def verify(path: Path, source: FileSource, delete: bool) -> Local:
-    """Check `path` against the source's pinned sha256; on a mismatch delete it (if `delete`) and raise."""
+def verify(path: Path, source: FileSource, delete: bool, origin: str | None = None) -> Local:
+    """Check `path` (from the mirror's `origin`, if given) against the source's pinned sha256; on a mismatch
+    delete it (if `delete`) and raise."""
     seen = sha256_of(path)
+    label = label_of(source, origin)
     if source.sha256 is None:
-        log.warning("sha256 NOT PINNED for %s: saw %s; nothing verifies it; pin it in params.", label_of(source), seen)
+        log.warning("sha256 NOT PINNED for %s: saw %s; nothing verifies it; pin it in params.", label, seen)
     elif seen != source.sha256:
         if delete:
             path.unlink(missing_ok=True)
         raise ChecksumError(
-            f"{label_of(source)}: sha256 mismatch: expected {source.sha256}, got {seen}"
+            f"{label}: sha256 mismatch: expected {source.sha256}, got {seen}"
             + (f" (deleted {path})" if delete else f" (in {path})")
         )
-    return Local(path, seen)
+    return Local(path, seen, origin)
 
 
 def _content_range(value: str) -> tuple[int, int | None]:
@@ -214,14 +205,16 @@ def _mirror_path(mirror: str, url: str) -> Path:
     return Path(mirror) / host / path
 
 
-def _try_mirror(mirror_url: str, dest: Path, session: requests.Session) -> bool:
-    """Download from the http mirror; False (with a warning) if the mirror has no such file."""
+def _try_mirror(url: str, mirror_url: str, dest: Path, session: requests.Session) -> bool:
+    """Download `url` from the http mirror; False (with a warning) if the mirror has no such file."""
     try:
         download(mirror_url, dest, session)
         return True
     except NotFound:
         log.warning("%s: not in the %s; using the official URL", mirror_url, MIRROR_ENV)
         return False
+    except DownloadError as e:
+        raise DownloadError(f"{url} (from {MIRROR_ENV}): {e}") from None
 
 
 def fetch_file(source: FileSource, cache: Path, mirror: str | None, session: requests.Session) -> Local:
@@ -230,7 +223,7 @@ def fetch_file(source: FileSource, cache: Path, mirror: str | None, session: req
         local = _mirror_path(mirror, source.url)
         if local.is_file():
             log.info("%s: from %s", source.url, local)
-            return verify(local, source, delete=False)
+            return verify(local, source, delete=False, origin=str(local))
         log.warning("%s: no file %s in %s=%s; downloading it", source.url, local, MIRROR_ENV, mirror)
     host, path = url_parts(source.url)
     dest = cache / "files" / host / path
@@ -239,9 +232,11 @@ def fetch_file(source: FileSource, cache: Path, mirror: str | None, session: req
             return verify(dest, source, delete=True)
         except ChecksumError as e:
             log.warning("stale cache, downloading again: %s", e)
-    if not (mirror and _is_url(mirror) and _try_mirror(_mirror_url(mirror, source.url), dest, session)):
+    origin = _mirror_url(mirror, source.url) if mirror and _is_url(mirror) else None
+    if not (origin and _try_mirror(source.url, origin, dest, session)):
+        origin = None
         download(source.url, dest, session)
-    return verify(dest, source, delete=True)
+    return verify(dest, source, delete=True, origin=origin)
 
 
 def fetch_members(
@@ -258,7 +253,7 @@ def fetch_members(
             missing = [s.member for s in sources if not (root / s.member).is_file()]
             if missing:
                 raise DownloadError(f"{label}: member(s) {missing} missing from the mirror directory {root}")
-            return {s: verify(root / s.member, s, delete=False) for s in sources}
+            return {s: verify(root / s.member, s, delete=False, origin=str(root / s.member)) for s in sources}
         if root.is_file():
             archive = root
         else:
@@ -276,8 +271,8 @@ def fetch_members(
     if todo and mirror and _is_url(mirror):
         for s in todo:
             member_url = f"{_mirror_url(mirror, url)}/{urllib.parse.quote(s.member)}"
-            if _try_mirror(member_url, members / s.member, session):
-                out[s] = verify(members / s.member, s, delete=True)
+            if _try_mirror(label_of(s), member_url, members / s.member, session):
+                out[s] = verify(members / s.member, s, delete=True, origin=member_url)
         todo = [s for s in sources if s not in out]
     if todo:
         cached = archive is None
@@ -285,15 +280,60 @@ def fetch_members(
             archive = cache / "files" / host / path
             if not archive.exists():
                 download(url, archive, session)
-        extract_members(archive, [s.member for s in todo], members, label)
+        extract_members(archive, [s.member for s in todo], members, label if cached else f"{label} from {archive}")
         for s in todo:
             try:
-                out[s] = verify(members / s.member, s, delete=True)
+                out[s] = verify(members / s.member, s, delete=True, origin=None if cached else str(archive))
             except ChecksumError:
                 if cached:  # nothing kept: the archive it came from goes too
                     archive.unlink(missing_ok=True)
                 raise
     return out
+
+
+# --- before anything: can every file be had? ---------------------------------------
+
+
+def _why_not(url: str, session: requests.Session) -> str | None:
+    """Why a HEAD request says `url` cannot be downloaded now, or None (it can, or a retry may: 5xx, 429...)."""
+    try:
+        r = session.head(url, allow_redirects=True, timeout=HEAD_TIMEOUT_S, headers={"Accept-Encoding": "identity"})
+    except requests.RequestException as e:  # no connection: DNS, refused, unreachable, timeout
+        reason = re.findall(r"\[Errno -?\d+\] ([^'\")\]]+)", str(e))
+        return f"{url}: {reason[-1].strip() if reason else type(e).__name__}"
+    return f"{url}: HTTP {r.status_code} {r.reason}" if r.status_code in (401, 403, 404, 410) else None
+
+
+def _unavailable(url: str, members: list[str], cache: Path, mirror: str | None, session: requests.Session) -> str | None:
+    """Why `url` (or these members of it) can be had from neither the cache, the mirror nor the network, or None."""
+    host, path = url_parts(url)
+    if (cache / "files" / host / path).exists() or members and all((cache / "members" / host / path / m).exists()
+                                                                   for m in members):
+        return None
+    if mirror and not _is_url(mirror) and _mirror_path(mirror, url).exists():
+        return None  # a mirror directory missing some members is refused, naming them, when fetched
+    if mirror and _is_url(mirror):
+        mirrored = [f"{_mirror_url(mirror, url)}/{urllib.parse.quote(m)}" for m in members] or [_mirror_url(mirror, url)]
+        problems = [why for m in mirrored if (why := _why_not(m, session))]
+        if not problems:
+            return None
+        if not all(re.search(r": HTTP (404|410) ", why) for why in problems):  # a mirror that fails is no fallback
+            return f"{url}: {MIRROR_ENV} {problems[0]}"
+    return _why_not(url, session)
+
+
+def check_available(sources: list[FileSource], cache: Path, mirror: str | None, session: requests.Session) -> None:
+    """Refuse, before downloading or writing anything, when any source can be had from nowhere (one HEAD per URL)."""
+    by_url: dict[str, list[str]] = {}
+    for s in sources:
+        by_url.setdefault(s.url, []).extend([s.member] if s.member else [])
+    problems = [why for url, members in by_url.items() if (why := _unavailable(url, members, cache, mirror, session))]
+    if problems:
+        raise DownloadError(
+            f"cannot get {len(problems)} of {len(by_url)} file(s), so nothing was downloaded or changed: "
+            f"{'; '.join(problems)}; without network access, set {MIRROR_ENV} to a mirror holding them "
+            "(README, \"Offline mirror\")"
+        )
 
 
 # --- archives ---------------------------------------------------------------------

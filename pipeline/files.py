@@ -19,15 +19,34 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
+from pipeline.errors import PipelineError
+
 log = logging.getLogger(__name__)
 
 
-class OutputError(OSError):
+class OutputError(PipelineError, OSError):
     """Writing an output failed; the previous output, if any, is untouched."""
 
+    def __str__(self) -> str:
+        return self.strerror or super().__str__()  # the message, without "[Errno 28]"
 
-class InputError(ValueError):
+
+class InputError(PipelineError, ValueError):
     """An input file is missing or malformed; the message names the file (and line) and what was expected."""
+
+
+def _as_output_error(e: BaseException, path: Path, tmp: Path) -> BaseException:
+    """An OSError met while writing `path` (via `tmp`) as an OutputError naming `path`; any other error unchanged.
+
+    An OSError naming a file outside the output (an input that could not be read) is not a write failure.
+    """
+    if not isinstance(e, OSError) or isinstance(e, OutputError):
+        return e
+    if e.filename is not None:
+        name = Path(os.path.abspath(os.fsdecode(e.filename)))
+        if not any(name == p or p in name.parents for p in (Path(os.path.abspath(q)) for q in (path, tmp))):
+            return e
+    return OutputError(e.errno, f"could not write {path}: {e.strerror or e}")
 
 
 def _umask() -> int:
@@ -62,9 +81,9 @@ def atomic_file(path: str | Path, mode: str = "wb") -> Iterator:
     except BaseException as e:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        if isinstance(e, OSError) and not isinstance(e, OutputError):
-            raise OutputError(e.errno, f"could not write {path}: {e.strerror or e}") from e
-        raise
+        if (error := _as_output_error(e, path, Path(tmp))) is e:
+            raise
+        raise error from e
 
 
 def write_bytes(path: str | Path, data: bytes) -> None:
@@ -105,9 +124,9 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
             shutil.rmtree(old, ignore_errors=True)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, OSError) and not isinstance(e, OutputError):
-            raise OutputError(e.errno, f"could not write {path}: {e.strerror or e}") from e
-        raise
+        if (error := _as_output_error(e, path, tmp)) is e:
+            raise
+        raise error from e
 
 
 def count_lines(path: Path) -> int:

@@ -66,18 +66,18 @@ def load_split(directory: str | Path, split: str, lang: str) -> Ragged:
     ids_path, offsets_path = split_paths(directory, split, lang)
     for p in (ids_path, offsets_path):
         if not p.exists():
-            raise FileNotFoundError(f"{p}: missing; run the tokenize stage first")
+            raise InputError(f"{p}: missing; run the tokenize stage first")
     ids = np.memmap(ids_path, dtype=ID_DTYPE, mode="r") if ids_path.stat().st_size else np.zeros(0, ID_DTYPE)
     offsets = np.fromfile(offsets_path, dtype=OFFSET_DTYPE)
     if len(offsets) == 0 or offsets[0] != 0 or offsets[-1] != len(ids) or np.any(np.diff(offsets) < 0):
-        raise ValueError(f"{offsets_path}: offsets do not describe {ids_path} ({len(ids)} ids)")
+        raise InputError(f"{offsets_path}: offsets do not describe {ids_path} ({len(ids)} ids)")
     return Ragged(ids, offsets)
 
 
 def read_meta(directory: str | Path) -> dict:
     path = Path(directory) / "meta.json"
     if not path.exists():
-        raise FileNotFoundError(f"{path}: missing; run the tokenize stage first")
+        raise InputError(f"{path}: missing; run the tokenize stage first")
     return json.loads(path.read_text(encoding="utf-8"))
 
 
@@ -85,7 +85,7 @@ def load_spm(directory: str | Path, vocab_size: int) -> spm.SentencePieceProcess
     """The shared sentencepiece model, after checking it has the `vocab_size` pieces a model was trained with."""
     path = Path(directory) / "spm.model"
     if not path.exists():
-        raise FileNotFoundError(f"{path}: missing; run the tokenize stage first")
+        raise InputError(f"{path}: missing; run the tokenize stage first")
     try:
         sp = spm.SentencePieceProcessor(model_file=str(path))
     except (OSError, RuntimeError) as e:
@@ -106,9 +106,9 @@ def load_batches(directory: str | Path, split: str) -> Ragged:
     index_path, bounds_path = batch_paths(directory, split)
     for p in (index_path, bounds_path):
         if not p.exists():
-            raise FileNotFoundError(f"{p}: missing; run the batch stage first")
+            raise InputError(f"{p}: missing; run the batch stage first")
     index = np.load(index_path, mmap_mode="r", allow_pickle=False)
     bounds = np.load(bounds_path, allow_pickle=False)
     if len(bounds) == 0 or bounds[0] != 0 or bounds[-1] != len(index):
-        raise ValueError(f"{bounds_path}: bounds do not describe {index_path}")
+        raise InputError(f"{bounds_path}: bounds do not describe {index_path}")
     return Ragged(index, bounds)

@@ -94,6 +94,7 @@ class TrainingData:
 
     def valid_share(self, rank: int, world: int, max_positions: int, device: torch.device) -> tuple[list[Batch], int]:
         """This rank's validation batches (every world-th), pairs longer than max_positions left out; (batches, left out)."""
+        # Paper: every dev pair counts; ours leaves out those longer than model.max_positions (none in newstest2013).
         fits = self.valid_fits(max_positions)  # valid is never length-filtered (stages.tokenize)
         mine = (self.valid_batches[b] for b in range(rank, len(self.valid_batches), world))
         batches = [collate(self.valid_src, self.valid_tgt, rows[fits[rows]], device) for rows in mine if fits[rows].any()]

@@ -1,7 +1,7 @@
-"""MLflow tracking: one parent run per pipeline run, one child run under it per stage.
+"""MLflow tracking: one parent run per pipeline run, one child run under it per stage; runs by hand stand alone.
 
     from pipeline import tracking
-    with tracking.stage_run("train", args.params) as run:    # enabled=False on ranks > 0
+    with tracking.stage_run("train", args) as run:           # args: the stage's parsed command line
         run.log_params({"model": asdict(model_cfg)})         # nested dicts -> "model.d_model"
         run.log_metrics({"loss": 2.3}, step=100)
         run.set_tags({"device": "cpu"})
@@ -9,19 +9,32 @@
 Browse:  mlflow ui --backend-store-uri sqlite:///mlflow.db --host 127.0.0.1
 
 Where: $MLFLOW_TRACKING_URI if set, else the sqlite database `mlflow.db` in
-the repo root as an absolute path. The root is the params file's directory;
-inside the temporary copy that `dvc exp run --queue` / `--temp` runs in
-(`<root>/.dvc/tmp/exps/<tmpdir>/`, dvc/repo/experiments/executor/local.py) it
-is the `<root>` that holds the copy, so queued experiments land in the same
-database. Experiment: `transformer-<data.name>` (runs on the same data compare).
+the repo root as an absolute path. The root is where the stage runs
+($DVC_ROOT under DVC, else the nearest directory from the cwd up that holds
+dvc.yaml), never the params file's directory; inside the temporary copy that
+`dvc exp run --queue` / `--temp` runs in (`<root>/.dvc/tmp/exps/<tmpdir>/`,
+dvc/repo/experiments/executor/local.py) it is the `<root>` that holds the
+copy, so queued experiments land in the same database. Experiment:
+`transformer-<data.name>` (runs on the same data compare).
 
-The parent is found (or created) by its tag `pipeline_key` = sha256 of the git
-commit and the full params file, and tagged with git_commit, dvc_exp_name
-($DVC_EXP_NAME, which dvc sets for queued/temp experiments), preset (data name
-and model size) and params_hash (sha256 of the params file). Opening and
-closing a stage copies every `metrics/*.json` beside the params file (the DVC
-record) into the parent as `<file stem>.<key>`, so the parent shows the whole
-pipeline even when DVC skipped cached stages; numbers become metrics, strings tags.
+A stage run by DVC (pipeline/lineage.py: $DVC_STAGE) is a child of its
+pipeline run. The parent is found (or created) by its tag `pipeline_key` =
+sha256 of the git commit and the full params file, and tagged with git_commit,
+dvc_exp_name ($DVC_EXP_NAME, which dvc sets for queued/temp experiments),
+preset (data name and model size) and params_hash (sha256 of the params file).
+The parent holds the DVC metrics files as `<file stem>.<key>` (numbers as
+metrics, strings as tags), only those of this run: when a stage opens, those
+that pipeline/lineage.py finds current (so the parent shows the whole pipeline
+even when DVC skipped cached stages); when it finishes, its own --metrics file
+and those found current once it counts as done (downstream stages that DVC
+will skip because this one wrote the same outputs as before). A stage run by hand (`python -m stages.x`)
+gets a run of its own, named `<stage> (by hand)` and tagged hand_run, with no
+parent and no metrics files: it never joins, nor changes, a pipeline run.
+Every stage's run is tagged `path.<argument>` with the paths it was given.
+
+Runs end FINISHED, FAILED (an exception) or KILLED (SIGINT, or SIGTERM/SIGHUP,
+which raise SystemExit while a run is open, so the runs are closed on the way
+out; SIGKILL cannot be caught).
 
 Failure policy: tracking never stops a stage. The first MLflow error (server
 unreachable, gone mid-run, database locked...) logs ONE warning and turns
@@ -33,18 +46,23 @@ in mlflow/telemetry/utils.py), set before mlflow is imported.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import hashlib
 import json
 import logging
 import math
 import os
+import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import yaml
+
+from pipeline import lineage
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +80,9 @@ MAX_BATCH = 100  # keys per log_batch call (below MLflow's limits)
 _disabled = False  # set by the first failure: tracking stays off for this process
 
 
-def repo_root(params_path: str | Path) -> Path:
-    """The repo whose mlflow.db a stage uses: the params file's directory, or the repo holding a dvc exp temp copy."""
-    here = Path(params_path).resolve().parent
+def repo_root(work: Path | None = None) -> Path:
+    """The repo whose mlflow.db is used: where stages run (lineage.work_root()), or the repo holding a dvc exp copy."""
+    here = (work or lineage.work_root()).resolve()
     parts = here.parts
     for i in range(len(parts) - len(EXPS_TMP.parts)):
         if Path(*parts[i : i + len(EXPS_TMP.parts)]) == EXPS_TMP:
@@ -72,9 +90,9 @@ def repo_root(params_path: str | Path) -> Path:
     return here
 
 
-def tracking_uri(params_path: str | Path) -> str:
+def tracking_uri() -> str:
     """$MLFLOW_TRACKING_URI, else an absolute sqlite URI for <repo root>/mlflow.db."""
-    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{repo_root(params_path) / DB_NAME}"
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{repo_root() / DB_NAME}"
 
 
 def git_commit(directory: Path) -> str:
@@ -108,20 +126,29 @@ def flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def dvc_metrics(metrics_dir: Path) -> tuple[dict[str, float], dict[str, str]]:
-    """Every metrics/*.json flattened to `<stem>.<key>`: (numbers, strings)."""
+def numbers_and_strings(flat: dict[str, Any]) -> tuple[dict[str, float], dict[str, str]]:
+    """Split flat values into finite numbers (MLflow metrics) and strings (tags); booleans and the rest are dropped."""
     numbers, strings = {}, {}
-    for path in sorted(metrics_dir.glob("*.json")) if metrics_dir.is_dir() else []:
+    for key, value in flat.items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            numbers[key] = float(value)
+        elif isinstance(value, str):
+            strings[key] = value
+    return numbers, strings
+
+
+def dvc_metrics(paths: list[Path]) -> tuple[dict[str, float], dict[str, str]]:
+    """The metrics files `paths` flattened to `<stem>.<key>`: (numbers, strings)."""
+    numbers, strings = {}, {}
+    for path in paths:
         try:
             content = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError) as e:
             log.warning("not copying %s into MLflow: %s", path, e)
             continue
-        for key, value in flatten(content, path.stem).items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-                numbers[key] = float(value)
-            elif isinstance(value, str):
-                strings[key] = value
+        found = numbers_and_strings(flatten(content, path.stem))
+        numbers |= found[0]
+        strings |= found[1]
     return numbers, strings
 
 
@@ -160,12 +187,22 @@ class StageRun:
         for chunk in _chunks(flat):
             self._call(lambda chunk=chunk: self.client.log_batch(self.run_id, metrics=chunk))
 
+    def log_artifact(self, path: str | Path, artifact_path: str) -> None:
+        """Store a copy of file `path` with the run, under `artifact_path/` (e.g. the hypotheses a BLEU came from)."""
+        self._call(lambda: self.client.log_artifact(self.run_id, str(path), artifact_path))
+
     def set_tags(self, tags: dict[str, Any]) -> None:
         from mlflow.entities import RunTag
 
         flat = [RunTag(k, str(v)) for k, v in tags.items()]
         for chunk in _chunks(flat):
             self._call(lambda chunk=chunk: self.client.log_batch(self.run_id, tags=chunk))
+
+    def log_results(self, results: dict[str, Any]) -> None:
+        """A stage's flat metrics file: numbers as metrics, strings as tags."""
+        numbers, strings = numbers_and_strings(results)
+        self.log_metrics(numbers)
+        self.set_tags(strings)
 
 
 def _guard(uri: str, fn: Callable[[], Any]) -> Any:
@@ -205,7 +242,7 @@ def pipeline_tags(params_path: Path) -> dict[str, str]:
     """Tags of the parent run: pipeline_key, git_commit, dvc_exp_name, preset, params_hash."""
     text = params_path.read_text(encoding="utf-8")
     raw = yaml.safe_load(text) or {}
-    commit = git_commit(params_path.resolve().parent)
+    commit = git_commit(lineage.work_root())
     data_name = (raw.get("data") or {}).get("name", "unknown")
     tags = {
         "pipeline_key": hashlib.sha256(f"{commit}\n{text}".encode()).hexdigest(),
@@ -219,52 +256,100 @@ def pipeline_tags(params_path: Path) -> dict[str, str]:
     return tags
 
 
-def _open_parent(client: Any, params_path: Path, uri: str) -> tuple[str, str, dict[str, str]]:
-    """Find the parent run by its pipeline_key, or create it: (experiment_id, run_id, tags)."""
-    tags = pipeline_tags(params_path)
-    experiment_id = _experiment_id(client, f"{EXPERIMENT_PREFIX}-{tags['data_name']}", uri)
+def path_arguments(args: argparse.Namespace) -> dict[str, Path]:
+    """The path arguments of a stage's command line, by name (params, metrics, out...)."""
+    return {name: value for name, value in vars(args).items() if isinstance(value, Path)}
+
+
+def _open_parent(client: Any, experiment_id: str, tags: dict[str, str]) -> str:
+    """Find the parent run by its pipeline_key, or create it: its run_id."""
     found = client.search_runs([experiment_id], filter_string=f"tags.pipeline_key = '{tags['pipeline_key']}'",
                                max_results=1, order_by=["attributes.start_time DESC"])
     if found:
-        parent_id = found[0].info.run_id
-        client.update_run(parent_id, status="RUNNING")
-    else:
-        run_name = tags.get("dvc_exp_name") or f"{tags['preset']}-{tags['git_commit'][:8]}"
-        parent_id = client.create_run(experiment_id, tags=tags, run_name=run_name).info.run_id
-    return experiment_id, parent_id, tags
+        client.update_run(found[0].info.run_id, status="RUNNING")
+        return found[0].info.run_id
+    run_name = tags.get("dvc_exp_name") or f"{tags['preset']}-{tags['git_commit'][:8]}"
+    return client.create_run(experiment_id, tags=tags, run_name=run_name).info.run_id
 
 
-def _copy_dvc_metrics(parent: StageRun, metrics_dir: Path) -> None:
-    numbers, strings = dvc_metrics(metrics_dir)
+def _current_metrics(stage: str, finished: bool) -> list[Path]:
+    """lineage.current_metrics of the repo the stage runs in; a DVC error costs a warning and those files."""
+    try:
+        return lineage.current_metrics(lineage.work_root(), stage, finished)
+    except Exception as e:  # a broken dvc.yaml or dvc.lock must not stop the stage, by policy
+        log.warning("not copying other stages' metrics into MLflow: DVC could not compare dvc.lock (%s)", e)
+        return []
+
+
+def _open(client: Any, uri: str, stage: str, args: argparse.Namespace) -> tuple[str, str | None, list[Path]]:
+    """Create the stage's run (under its pipeline's parent when DVC runs it): (run_id, parent_id, current files)."""
+    tags = pipeline_tags(Path(args.params))
+    experiment_id = _experiment_id(client, f"{EXPERIMENT_PREFIX}-{tags['data_name']}", uri)
+    own = {k: v for k, v in tags.items() if k != "pipeline_key"} | {"stage": stage}
+    own |= {f"path.{k}": str(v) for k, v in path_arguments(args).items()}
+    if not lineage.run_by_dvc(stage):
+        run = client.create_run(experiment_id, tags=own | {"hand_run": "true"}, run_name=f"{stage} (by hand)")
+        return run.info.run_id, None, []
+    current = _current_metrics(stage, finished=False)
+    parent_id = _open_parent(client, experiment_id, tags)
+    run = client.create_run(experiment_id, tags=own | {"mlflow.parentRunId": parent_id}, run_name=stage)
+    return run.info.run_id, parent_id, current
+
+
+def _copy_dvc_metrics(parent: StageRun, paths: list[Path]) -> None:
+    numbers, strings = dvc_metrics(paths)
     parent.log_metrics(numbers)
     parent.set_tags(strings)
 
 
+class Stopped(SystemExit):
+    """SIGTERM or SIGHUP arrived while a stage's run was open."""
+
+
 @contextlib.contextmanager
-def stage_run(stage: str, params_path: str | Path = "params.yaml", enabled: bool = True) -> Iterator[StageRun]:
-    """Open the pipeline's parent run and a child run named `stage` under it; close both on exit."""
+def _stop_on_signals() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise Stopped (as SIGINT raises KeyboardInterrupt) where they would kill silently."""
+    def stop(signum: int, _frame: Any) -> None:
+        raise Stopped(128 + signum)
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(sig) is signal.SIG_DFL:  # an ignored SIGHUP (nohup) stays ignored
+                previous[sig] = signal.signal(sig, stop)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def stage_run(stage: str, args: argparse.Namespace, enabled: bool = True) -> Iterator[StageRun]:
+    """Open the run of `stage` (args: its parsed command line: --params, its paths); close it and its parent on exit."""
     if not enabled or _disabled:
         yield StageRun()
         return
-    params_path = Path(params_path)
-    uri = tracking_uri(params_path)
-    metrics_dir = params_path.resolve().parent / "metrics"
+    uri = tracking_uri()
     client = _guard(uri, lambda: _client(uri))
-    opened = _guard(uri, lambda: _open_parent(client, params_path, uri)) if client is not None else None
+    opened = _guard(uri, lambda: _open(client, uri, stage, args)) if client is not None else None
     if opened is None:
         yield StageRun()
         return
-    experiment_id, parent_id, tags = opened
-    parent = StageRun(client, parent_id, uri)
-    _copy_dvc_metrics(parent, metrics_dir)
-    child_tags = {k: v for k, v in tags.items() if k != "pipeline_key"} | {"mlflow.parentRunId": parent_id, "stage": stage}
-    child_id = _guard(uri, lambda: client.create_run(experiment_id, tags=child_tags, run_name=stage).info.run_id)
-    run = StageRun(client, child_id, uri)
+    run_id, parent_id, current = opened
+    run, parent = StageRun(client, run_id, uri), StageRun(client, parent_id, uri)
+    _copy_dvc_metrics(parent, current)
     status = "FAILED"
     try:
-        yield run
+        with _stop_on_signals():
+            yield run
         status = "FINISHED"
+    except (KeyboardInterrupt, Stopped):
+        status = "KILLED"
+        raise
     finally:
-        run._call(lambda: client.set_terminated(child_id, status=status))
-        _copy_dvc_metrics(parent, metrics_dir)
+        run._call(lambda: client.set_terminated(run_id, status=status))
+        if status == "FINISHED" and parent.active:  # its own --metrics file, and downstream ones DVC will skip
+            own = [path_arguments(args)["metrics"]] if "metrics" in path_arguments(args) else []
+            _copy_dvc_metrics(parent, own + _current_metrics(stage, finished=True))
         parent._call(lambda: client.set_terminated(parent_id, status=status))

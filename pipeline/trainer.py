@@ -3,12 +3,15 @@
     trainer = Trainer(data, model_cfg, train_cfg, max_tokens, ctx, run, phash, checkpoints, plot)
     metrics = trainer.fit()            # or drive it: trainer.step(order), trainer.validate()
 
-Each step updates on train.tokens_per_step target tokens: every one of the
-world's processes accumulates grad_accumulation() micro-batches (one stored
-batch each). Each epoch shuffles the batch order (seed + epoch); a step takes the
-next world x accumulation batches of it and rank r the r-th of every world. The
-loss is summed over real target tokens and divided by the step's real target
-tokens over all ranks and micro-batches, so the update is that of one big batch.
+Each step updates on world x grad_accumulation() stored batches
+(pipeline/steps.py): every one of the world's processes accumulates that many
+micro-batches, one stored batch each. Each epoch shuffles the batch order (seed
++ epoch); a step takes the next world x accumulation batches of it and rank r
+the r-th of every world. The loss is summed over real target tokens and divided
+by the step's real target tokens over all ranks and micro-batches, so the update
+is that of one big batch.
+The real source and target tokens of every step are counted (metrics/train.json:
+{src,tgt}_tokens_per_step_{mean,min,max}; Sec. 5.1 asks for ~25000 of each).
 
 Stops at train.max_steps: the budget, so the same params give the same
 weights on any machine. train.max_minutes (across resumes) is only a safety
@@ -47,7 +50,7 @@ from model.loss import SmoothedLoss, real_hidden, smoothed_and_nll
 from model.schedule import lrate
 from model.transformer import Transformer
 from pipeline import checkpoint as ckpt
-from pipeline import distributed, faults, peak, tracking
+from pipeline import distributed, faults, peak, steps, tracking
 from pipeline.config import TrainConfig
 from pipeline.distributed import Dist
 from pipeline.files import write_text
@@ -122,7 +125,9 @@ class Progress:
     step: int = 0
     epoch: int = 0
     cursor: int = 0  # next position in the epoch's batch order
-    train_tokens: int = 0
+    train_tokens: int = 0  # real target tokens (with EOS)
+    src_tokens: int = 0  # real source tokens (with EOS)
+    step_tokens_range: list[int] = field(default_factory=list)  # [src min, src max, tgt min, tgt max] over the steps
     flops: float = 0.0
     elapsed_seconds: float = 0.0  # wall clock of the training loop (evaluation and checkpoints included)
     step_seconds: float = 0.0  # time in training steps only (tokens per second, MFU)
@@ -152,6 +157,20 @@ def trace(ctx: Dist, step: int, batch_ids: list[int], model: nn.Module) -> None:
             f.write(json.dumps({"step": step, "batches": batch_ids, "checksum": checksum}) + "\n")
 
 
+def widen(bounds: list, src: int, tgt: int) -> list:
+    """[src min, src max, tgt min, tgt max] widened to take in one more step's real tokens."""
+    if not bounds:
+        return [src, src, tgt, tgt]
+    return [min(bounds[0], src), max(bounds[1], src), min(bounds[2], tgt), max(bounds[3], tgt)]
+
+
+def step_tokens_metrics(p: Progress) -> dict[str, float]:
+    """Real source and target tokens per step (mean, min, max) of the steps trained so far."""
+    lo_s, hi_s, lo_t, hi_t = p.step_tokens_range or [0, 0, 0, 0]
+    return steps.per_step_metrics("src", p.src_tokens, p.step, lo_s, hi_s) | steps.per_step_metrics(
+        "tgt", p.train_tokens, p.step, lo_t, hi_t)
+
+
 class Trainer:
     """One training run, fresh or resumed: model, Adam, data position and counters; rank 0 writes.
 
@@ -164,7 +183,9 @@ class Trainer:
         self.phash, self.checkpoints, self.plot = phash, checkpoints, plot
         self._order: tuple[int, np.ndarray] = (-1, np.zeros(0, np.int64))  # (epoch, its batch order)
         self.stopped_by_time = False
-        self.accum = distributed.grad_accumulation(cfg.tokens_per_step, max_tokens, ctx.world)
+        self.saved_step: int | None = None  # the newest checkpoint written or resumed from
+        self.bar: tqdm | None = None
+        self.accum = steps.grad_accumulation(cfg.tokens_per_step, max_tokens, ctx.world)
         log.info("%d device(s) x %d micro-batch(es) of <= %d tokens per step (train.tokens_per_step = %d); "
                  "%d train batches per epoch", ctx.world, self.accum, max_tokens, cfg.tokens_per_step,
                  len(data.train_batches))
@@ -176,6 +197,7 @@ class Trainer:
         self.loss_model: nn.Module = SmoothedLoss(self.model, cfg.label_smoothing)
         if ctx.world > 1:
             self.loss_model = DistributedDataParallel(self.loss_model, device_ids=[ctx.local_rank] if ctx.cuda else None)
+        # Paper: fp32 on P100s. GPUs train under bf16 autocast (the weights and Adam stay fp32).
         self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if ctx.cuda else contextlib.nullcontext()
         self.valid, left_out = data.valid_share(ctx.rank, ctx.world, model_cfg.max_positions, ctx.device)
         if left_out:
@@ -199,6 +221,7 @@ class Trainer:
         ckpt.restore_rng(state["rng"][self.ctx.rank])
         progress = Progress(**state["progress"])
         log.info("resuming from step %d (%s)", progress.step, path)
+        self.saved_step = progress.step
         self.run.set_tags({"resumed_from_step": progress.step})
         return progress
 
@@ -214,6 +237,7 @@ class Trainer:
                 "train_tokens": p.train_tokens, "progress": asdict(p),
             }
             log.info("step %d: saved %s", p.step, ckpt.save_checkpoint(self.checkpoints, state, self.cfg.keep_checkpoints))
+            self.saved_step = p.step
 
     def record(self, row: list) -> None:
         """Append a plot row (step, loss, lr, tokens_per_second, valid_ppl) and rewrite the CSV."""
@@ -227,7 +251,7 @@ class Trainer:
         if p.cursor >= len(self.data.train_batches):
             p.epoch, p.cursor = p.epoch + 1, 0
         if self._order[0] != p.epoch:
-            self._order = (p.epoch, distributed.epoch_order(len(self.data.train_batches), self.cfg.seed, p.epoch))
+            self._order = (p.epoch, steps.epoch_order(len(self.data.train_batches), self.cfg.seed, p.epoch))
         return self._order[1]
 
     def step(self, order: np.ndarray) -> tuple[Tensor, int, float]:
@@ -235,7 +259,7 @@ class Trainer:
         p, ctx = self.progress, self.ctx
         step_ids = order[p.cursor : p.cursor + self.accum * ctx.world]
         p.cursor += len(step_ids)
-        mine, n_micro = distributed.rank_share(step_ids, ctx.rank, ctx.world)
+        mine, n_micro = steps.rank_share(step_ids, ctx.rank, ctx.world)
         micro = self.data.micro_batches(mine, n_micro, int(step_ids[0]), ctx.device)
         S, T = self.data.lengths(step_ids)
         lr = self.cfg.lr_factor * lrate(p.step + 1, self.model_cfg.d_model, self.cfg.warmup_steps)
@@ -243,6 +267,8 @@ class Trainer:
         loss_sum = train_step(self.loss_model, self.optimizer, micro, int(T.sum()), lr, ctx, self.autocast)
         p.step += 1
         p.train_tokens += int(T.sum())
+        p.src_tokens += int(S.sum())
+        p.step_tokens_range = widen(p.step_tokens_range, int(S.sum()), int(T.sum()))
         p.flops += flops_lib.training_flops(self.model_cfg, self.data.vocab_size, S, T)
         trace(ctx, p.step, mine, self.model)
         return loss_sum, sum(b.tokens for b, real in micro if real), lr
@@ -270,6 +296,16 @@ class Trainer:
             self.stopped_by_time = True
         return done or out_of_time, due
 
+    def interrupted(self) -> str:
+        """After Ctrl-C: end the progress line; say at which step training stopped and what a re-run continues from."""
+        if self.bar is not None:
+            self.bar.close()
+        if self.saved_step is None:
+            return (f"stopped at step {self.progress.step}, before the first checkpoint; "
+                    "the same command (or `dvc repro`) starts training again")
+        return (f"stopped at step {self.progress.step}; the same command (or `dvc repro`) resumes from the newest "
+                f"checkpoint, step {self.saved_step}")
+
     def fit(self) -> dict:
         """Step until max_steps (or the max_minutes safety stop); evaluate, log and checkpoint on the way; return the metrics."""
         p, cfg, ctx = self.progress, self.cfg, self.ctx
@@ -278,7 +314,7 @@ class Trainer:
         interval = torch.zeros(2, dtype=torch.float64, device=ctx.device)  # loss sum, tokens since the last row
         interval_seconds, interval_tokens, saved_at = 0.0, 0, p.step
         start, last_save = time.monotonic() - p.elapsed_seconds, time.monotonic()
-        bar = tqdm(total=cfg.max_steps, initial=p.step, disable=not ctx.is_main, unit="step", dynamic_ncols=True)
+        bar = self.bar = tqdm(total=cfg.max_steps, initial=p.step, disable=not ctx.is_main, unit="step", dynamic_ncols=True)
         stop, _ = self.decide(0.0)
         while not stop:
             t0 = time.perf_counter()
@@ -297,7 +333,7 @@ class Trainer:
             if evaluated:
                 faults.inject("validation", p.step)  # tests only: TRANSFORMER_FAULT=validation@N kills the process here
                 self.validate()
-            if evaluated or p.step % max(cfg.log_every, 1) == 0:
+            if evaluated or p.step % cfg.log_every == 0:
                 loss, tokens = distributed.all_sum(interval, ctx).tolist()
                 row_loss, tok_s = (loss / tokens if tokens else None), interval_tokens / interval_seconds
                 self.record([p.step, row_loss, lr, tok_s, p.valid["valid_ppl"] if evaluated else None])
@@ -330,6 +366,7 @@ class Trainer:
             "stopped_by": "max_minutes" if self.stopped_by_time else "max_steps",
             "epochs": p.epoch + p.cursor / max(len(self.data.train_batches), 1),
             "train_tokens": p.train_tokens,  # real target tokens trained on
+            **step_tokens_metrics(p),
             "train_hours": hours,
             "step_seconds": p.step_seconds,
             "flops_analytic": p.flops,

@@ -27,7 +27,8 @@ from tqdm import tqdm
 
 from pipeline import cli, config, tracking
 from pipeline.checkpoint import complete_checkpoints, load_checkpoint
-from pipeline.config import AverageConfig, ParamsError
+from pipeline.config import AverageConfig
+from pipeline.errors import PipelineError
 from pipeline.files import atomic_dir, write_json
 
 log = logging.getLogger(__name__)
@@ -35,7 +36,7 @@ log = logging.getLogger(__name__)
 HEADER_KEYS = ("params_hash", "model_config", "vocab_size")  # must agree between averaged checkpoints
 
 
-class AverageError(ValueError):
+class AverageError(PipelineError):
     """The checkpoints cannot be averaged; the message names the files and what differs."""
 
 
@@ -46,7 +47,7 @@ def select_checkpoints(directory: Path, last_n: int) -> list[Path]:
         found = ", ".join(p.name for p in complete) or "none"
         raise AverageError(
             f"{directory}: average.last_n = {last_n} but only {len(complete)} complete checkpoint(s) ({found}); "
-            "train longer or lower average.last_n"
+            "train longer, keep more (train.keep_checkpoints) or lower average.last_n"
         )
     return complete[-last_n:]
 
@@ -96,9 +97,7 @@ def average_checkpoints(paths: list[Path]) -> dict:
 def main(argv: list[str] | None = None) -> None:
     args = cli.start(__doc__, argv, "checkpoints", "out")
     cfg = config.load(args.params, "average", AverageConfig)
-    if cfg.last_n < 1:
-        raise ParamsError(f"{args.params}: average.last_n = {cfg.last_n}: expected at least 1")
-    with tracking.stage_run("average", args.params) as run:
+    with tracking.stage_run("average", args) as run:
         run.log_params({"average": asdict(cfg)})
         paths = select_checkpoints(args.checkpoints, cfg.last_n)
         averaged = average_checkpoints(paths)
@@ -111,4 +110,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

@@ -2,9 +2,11 @@
 
     python -m stages.batch --tokenized data/tokenized --out data/batches --metrics metrics/batch.json [--params params.yaml]
 
-Reads params `batch` (BatchConfig). Ragged the train and valid splits (test is
-decoded by the translate stage with its own batching). Sec. 5.1: "Sentence pairs
-were batched together by approximate sequence length"; a batch of n pairs is
+Reads params `batch` (BatchConfig) and, to report the steps the train stage
+will run, `train.devices`, `train.tokens_per_step` and `train.seed`. Batches the
+train and valid splits (test is decoded by the translate stage with its own
+batching). Sec. 5.1: "Sentence pairs were batched together by approximate
+sequence length"; a batch of n pairs is
 padded to n x (longest source) and n x (longest target) tokens, and both must be
 <= max_tokens. Lengths are as the model sees them: source + EOS, target + BOS/EOS.
 
@@ -38,20 +40,26 @@ shuffled at training time.
 metrics/batch.json: padding_efficiency of the train batches (both sides) and
 src_/tgt_padding_efficiency; num_batches; {src,tgt}_tokens_per_batch_{mean,min,max}
 (real tokens of a train batch, with EOS / BOS); sentences_per_batch_mean;
-valid_num_batches, valid_padding_efficiency; max_tokens.
+valid_num_batches, valid_padding_efficiency; max_tokens; batches_per_step
+(train.devices x gradient accumulation, pipeline/steps.py) and
+{src,tgt}_tokens_per_step_{mean,min,max}: the real tokens of each optimizer step
+of the first epoch, in the order the train stage takes them (its
+metrics/train.json records the same over the steps it ran). Sec. 5.1 asks for
+~25000 real source and 25000 real target tokens a step.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 
-from pipeline import cli, config
-from pipeline.config import BatchConfig
+from pipeline import cli, config, steps, tracking
+from pipeline.config import BatchConfig, ParamsError, TrainConfig
 from pipeline.formats import BATCHED_SPLITS, Ragged, batch_paths, load_split, read_meta
-from pipeline.files import atomic_dir, write_json
+from pipeline.files import InputError, atomic_dir, write_json
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +68,7 @@ def model_lengths(tokenized: str | Path, split: str) -> tuple[np.ndarray, np.nda
     meta = read_meta(tokenized)
     src, tgt = load_split(tokenized, split, meta["src_lang"]), load_split(tokenized, split, meta["tgt_lang"])
     if len(src) != len(tgt):
-        raise ValueError(f"{tokenized}: {split} has {len(src)} source but {len(tgt)} target sentences")
+        raise InputError(f"{tokenized}: {split} has {len(src)} source but {len(tgt)} target sentences")
     return src.lengths + 1, tgt.lengths + 1
 
 
@@ -69,7 +77,7 @@ def check_fits(S: np.ndarray, T: np.ndarray, max_tokens: int, split: str) -> Non
     too_long = np.flatnonzero(np.maximum(S, T) > max_tokens)
     if len(too_long):
         i = int(too_long[0])
-        raise ValueError(
+        raise ParamsError(
             f"{split} pair {i} ({S[i]} source, {T[i]} target tokens with EOS/BOS) is longer than "
             f"batch.max_tokens = {max_tokens} by itself ({len(too_long)} such pairs): raise batch.max_tokens "
             "or lower tokenize.max_len"
@@ -85,7 +93,11 @@ def order_by_length(S: np.ndarray, T: np.ndarray, seed: int) -> np.ndarray:
 
 
 def fill(L: np.ndarray, max_tokens: int) -> np.ndarray:
-    """Greedy batch bounds over L = max(S, T) in nondecreasing order: each batch as large as fits."""
+    """Greedy batch bounds over L = max(S, T) in nondecreasing order: each batch as large as fits.
+
+    # Paper: batches of ~25000 real tokens a side per step (Sec. 5.1); the cap is on padded tokens
+    # (n x L), and the presets set it by measuring the real figure (metrics: *_tokens_per_step_*).
+    """
     bounds, i, n = [0], 0, len(L)
     while i < n:
         # L never decreases, so batch [i, i + k) fits iff k * L[i + k - 1] <= max_tokens.
@@ -125,13 +137,24 @@ def padding_stats(S: np.ndarray, T: np.ndarray, batches: Ragged) -> dict[str, fl
     return stats
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = cli.start(__doc__, argv, "tokenized", "out", "metrics")
-    cfg = config.load(args.params, "batch", BatchConfig)
+def step_stats(S: np.ndarray, T: np.ndarray, batches: Ragged, batches_per_step: int, seed: int) -> dict[str, float]:
+    """Real source and target tokens per optimizer step over the first epoch, in the train stage's batch order."""
+    order, starts = steps.epoch_order(len(batches), seed, 0), batches.offsets[:-1]
+    stats: dict[str, float] = {"batches_per_step": batches_per_step}
+    for side, lengths in (("src", S), ("tgt", T)):
+        per_step = steps.epoch_step_tokens(np.add.reduceat(lengths[batches.values], starts), order, batches_per_step)
+        stats |= steps.per_step_metrics(side, int(per_step.sum()), len(per_step), int(per_step.min()),
+                                        int(per_step.max()))
+    return stats
+
+
+def write_batches(tokenized: Path, out: Path, metrics_path: Path, cfg: BatchConfig, batches_per_step: int,
+                  seed: int) -> dict[str, float]:
+    """Batch the train and valid splits into `out` and write their metrics (both atomically); return the metrics."""
     metrics: dict[str, float] = {"max_tokens": cfg.max_tokens}
-    with atomic_dir(args.out) as tmp:
+    with atomic_dir(out) as tmp:
         for split in BATCHED_SPLITS:
-            S, T = model_lengths(args.tokenized, split)
+            S, T = model_lengths(tokenized, split)
             batches = make_batches(S, T, cfg.max_tokens, cfg.seed, split)
             index_path, bounds_path = batch_paths(tmp, split)
             np.save(index_path, batches.values)
@@ -141,12 +164,27 @@ def main(argv: list[str] | None = None) -> None:
                      stats.get("padding_efficiency"))
             if split == "train":
                 metrics |= stats | {"num_batches": len(batches)}
+                metrics |= step_stats(S, T, batches, batches_per_step, seed)
+                log.info("train: %d batches a step, real tokens a step: source %.0f, target %.0f (mean)",
+                         batches_per_step, metrics["src_tokens_per_step_mean"], metrics["tgt_tokens_per_step_mean"])
             else:
                 metrics[f"{split}_num_batches"] = len(batches)
                 if stats:
                     metrics[f"{split}_padding_efficiency"] = stats["padding_efficiency"]
-        write_json(args.metrics, metrics)  # inside atomic_dir: a failure here keeps the old batches too
+        write_json(metrics_path, metrics)  # inside atomic_dir: a failure here keeps the old batches too
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = cli.start(__doc__, argv, "tokenized", "out", "metrics")
+    cfg = config.load(args.params, "batch", BatchConfig)
+    train = config.load(args.params, "train", TrainConfig)
+    batches_per_step = train.devices * steps.grad_accumulation(train.tokens_per_step, cfg.max_tokens, train.devices)
+    with tracking.stage_run("batch", args) as run:
+        run.log_params({"batch": asdict(cfg), "train": {"devices": train.devices, "tokens_per_step":
+                        train.tokens_per_step, "seed": train.seed}})
+        run.log_results(write_batches(args.tokenized, args.out, args.metrics, cfg, batches_per_step, train.seed))
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

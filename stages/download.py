@@ -27,14 +27,14 @@ import logging
 import re
 import urllib.parse
 import zlib
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, TextIO
 
 import requests
 from tqdm import tqdm
 
-from pipeline import cli
+from pipeline import cli, tracking
 from pipeline.config import ParallelCorpus, DataConfig, FileSource, ParamsError, load
 from pipeline.formats import SPLITS
 from pipeline.fetch import (
@@ -42,13 +42,12 @@ from pipeline.fetch import (
     CHUNK,
     DownloadError,
     Local,
+    check_available,
     fetch_file,
     fetch_members,
     is_archive,
     label_of,
     mirror_from_env,
-    safe_relpath,
-    url_parts,
 )
 from pipeline.files import atomic_dir, write_json
 
@@ -79,34 +78,24 @@ def iter_sources(data: DataConfig) -> Iterator[tuple[str, ParallelCorpus, str, F
 
 
 def check_params(data: DataConfig) -> None:
-    """Refuse, before any download, sources no download could make right; errors name the key."""
+    """Refuse, before any download, sources no download could make right; errors name the key.
+
+    Each value's own form (a URL, a member path, a sha256...) is checked when params load (pipeline/config.py);
+    these are the rules between sources.
+    """
     names: set[str] = set()
     pins: dict[tuple[str, str | None], str | None] = {}
-    for split in SPLITS:
-        if not getattr(data, split):
-            raise ParamsError(f"data.{split}: no corpora; expected at least one")
     for key, corpus, side, src in iter_sources(data):
         if side == "src":
             if corpus.name in names:
                 raise ParamsError(f"{key.rsplit('.', 1)[0]}.name: {corpus.name!r} is used twice; names must be unique")
             names.add(corpus.name)
-        try:
-            url_parts(src.url)
-        except ValueError as e:
-            raise ParamsError(f"{key}.url: {e}") from None
         if src.member is None and is_archive(src.url):
             raise ParamsError(f"{key}.member: {src.url} is an archive; name the member to use")
         if src.member is not None and not is_archive(src.url):
             raise ParamsError(f"{key}.member: {src.url} is not a {'/'.join(ARCHIVE_SUFFIXES)} archive; expected null")
-        if src.member is not None and not safe_relpath(src.member):
-            raise ParamsError(
-                f"{key}.member: {src.member!r} of archive {src.url} would land outside the extraction "
-                "directory (absolute path or '..'); refusing it"
-            )
         if src.sha256 is None and urllib.parse.urlsplit(src.url).scheme == "http":
             raise ParamsError(f"{key}.sha256: {src.url} is plain http, so its sha256 must be pinned (null: https only)")
-        if src.sha256 is not None and not re.fullmatch("[0-9a-f]{64}", src.sha256):
-            raise ParamsError(f"{key}.sha256: expected 64 lowercase hex digits or null, got {src.sha256!r}")
         if pins.setdefault((src.url, src.member), src.sha256) != src.sha256:
             raise ParamsError(f"{key}.sha256: {src.url} {src.member or ''} is pinned to two different sha256")
 
@@ -155,6 +144,12 @@ def read_lines(path: Path, gz: bool, label: str) -> Iterator[str]:
         raise DownloadError(f"{label}: corrupt or truncated gzip: {e}") from None
 
 
+# Why not sacrebleu's reader: its public API (DATASETS[...].source/references) reads only what its own
+# downloader put in ~/.sacrebleu (the whole archive, by urllib), which the mirror (members, not archives),
+# the cache and the sha256 pins cannot serve; the function underneath (FakeSGMLDataset._convert_format) is
+# private, writes a file and drops the doc and segment ids that check_segments needs. Ours gave the same
+# 29486 lines as that function on the mirror's 10 newstest2013/2014 SGML files (README, "Offline mirror");
+# test_download.py::test_sgml_text_matches_sacrebleu keeps the two equal on a fixture.
 _SEG_ID = re.compile(r'<seg\s[^>]*?\bid\s*=\s*"?([^"\s>]+)')
 _SEG_TEXT = re.compile(r"<seg.*?>(.*)</seg>.*?")  # sacrebleu's FakeSGMLDataset, verbatim
 _DOCID = re.compile(r'\bdocid\s*=\s*"([^"]*)"')
@@ -210,7 +205,8 @@ def check_languages(data: DataConfig, local: dict[FileSource, Local]) -> None:
         if not name.removesuffix(".gz").endswith(".sgm"):
             continue
         lang_key, expected = ("data.src_lang", data.src_lang) if side == "src" else ("data.tgt_lang", data.tgt_lang)
-        lines = read_lines(local[source].path, name.endswith(".gz"), label_of(source))
+        label = label_of(source, local[source].origin)
+        lines = read_lines(local[source].path, name.endswith(".gz"), label)
         with contextlib.closing(lines):
             for n, line in enumerate(itertools.islice(lines, HEADER_LINES), 1):
                 if tag := _SET_TAG.search(line):
@@ -218,7 +214,7 @@ def check_languages(data: DataConfig, local: dict[FileSource, Local]) -> None:
                     declared = dict(_LANG_ATTR.findall(tag[2])).get(attr, "any")
                     if declared not in ("any", expected):
                         raise DownloadError(
-                            f"{label_of(source)}: line {n}: <{tag[1]}> declares {attr}=\"{declared}\" but {key} is "
+                            f"{label}: line {n}: <{tag[1]}> declares {attr}=\"{declared}\" but {key} is "
                             f"the {lang_key} = {expected!r} side; wrong file for this language pair?"
                         )
                     break
@@ -226,17 +222,17 @@ def check_languages(data: DataConfig, local: dict[FileSource, Local]) -> None:
 
 def corpus_lines(corpus: ParallelCorpus, local: dict[FileSource, Local]) -> tuple[Iterable[str], Iterable[str]]:
     """The source and target lines of one corpus; two SGML files are matched segment by segment."""
-    src, tgt = (_side_lines(source, local[source].path) for source in (corpus.src, corpus.tgt))
+    src, tgt = (_side_lines(source, local[source]) for source in (corpus.src, corpus.tgt))
     if isinstance(src, list) and isinstance(tgt, list):
-        check_segments(src, tgt, label_of(corpus.src), label_of(corpus.tgt))
+        check_segments(src, tgt, *(label_of(s, local[s].origin) for s in (corpus.src, corpus.tgt)))
     return _texts(src), _texts(tgt)
 
 
-def _side_lines(source: FileSource, path: Path) -> Iterable[str] | list[Segment]:
+def _side_lines(source: FileSource, local: Local) -> Iterable[str] | list[Segment]:
     """A file's lines, or its segments if it is SGML (.sgm, .sgm.gz)."""
-    name = _format_name(source)
-    lines = read_lines(path, name.endswith(".gz"), label_of(source))
-    return read_sgm(lines, label_of(source)) if name.removesuffix(".gz").endswith(".sgm") else lines
+    name, label = _format_name(source), label_of(source, local.origin)
+    lines = read_lines(local.path, name.endswith(".gz"), label)
+    return read_sgm(lines, label) if name.removesuffix(".gz").endswith(".sgm") else lines
 
 
 def _texts(side: Iterable[str] | list[Segment]) -> Iterable[str]:
@@ -273,12 +269,14 @@ def write_split(
             n_tgt = write_lines(ft, tgt_lines, f"{corpus.name} tgt")
             if n_src != n_tgt:
                 raise DownloadError(
-                    f"corpus {corpus.name}: {n_src} lines in {label_of(corpus.src)} "
-                    f"but {n_tgt} in {label_of(corpus.tgt)}; source and target must align line by line"
+                    f"corpus {corpus.name}: {n_src} lines in {label_of(corpus.src, local[corpus.src].origin)} "
+                    f"but {n_tgt} in {label_of(corpus.tgt, local[corpus.tgt].origin)}; source and target must "
+                    "align line by line"
                 )
             if n_src == 0:
                 raise DownloadError(
-                    f"corpus {corpus.name}: {label_of(corpus.src)} and {label_of(corpus.tgt)} "
+                    f"corpus {corpus.name}: {label_of(corpus.src, local[corpus.src].origin)} and "
+                    f"{label_of(corpus.tgt, local[corpus.tgt].origin)} "
                     "have no lines (empty corpus)"
                 )
             counts[corpus.name] = n_src
@@ -298,23 +296,28 @@ def main(argv: list[str] | None = None) -> None:
     check_params(data)
     mirror = mirror_from_env()
     cache = args.cache or args.out.parent / ".cache" / "download"
-    with requests.Session() as session:
-        local = fetch_all(data, cache, mirror, session)
-    check_languages(data, local)
+    with tracking.stage_run("download", args) as run:
+        run.log_params({"data": asdict(data)})
+        with requests.Session() as session:
+            check_available([source for _, _, _, source in iter_sources(data)], cache, mirror, session)
+            local = fetch_all(data, cache, mirror, session)
+        check_languages(data, local)
 
-    metrics: dict[str, int | str] = {}
-    with atomic_dir(args.out) as tmp:
-        for split in SPLITS:
-            langs = (data.src_lang, data.tgt_lang)
-            counts = write_split(getattr(data, split), local, *(tmp / f"{split}.{lang}" for lang in langs))
-            metrics[f"{split}_lines"] = sum(counts.values())
-            metrics.update({f"lines/{name}": n for name, n in counts.items()})
-            log.info("%s: %d lines (%s)", split, sum(counts.values()), ", ".join(f"{k} {v}" for k, v in counts.items()))
-        for _, corpus, side, source in iter_sources(data):
-            if source.sha256 is None:
-                metrics[f"sha256_seen/{corpus.name}/{side}"] = local[source].sha256
-        write_json(args.metrics, metrics)  # inside atomic_dir: a failure here keeps the old data/raw too
+        metrics: dict[str, int | str] = {}
+        with atomic_dir(args.out) as tmp:
+            for split in SPLITS:
+                langs = (data.src_lang, data.tgt_lang)
+                counts = write_split(getattr(data, split), local, *(tmp / f"{split}.{lang}" for lang in langs))
+                metrics[f"{split}_lines"] = sum(counts.values())
+                metrics.update({f"lines/{name}": n for name, n in counts.items()})
+                log.info("%s: %d lines (%s)", split, sum(counts.values()),
+                         ", ".join(f"{k} {v}" for k, v in counts.items()))
+            for _, corpus, side, source in iter_sources(data):
+                if source.sha256 is None:
+                    metrics[f"sha256_seen/{corpus.name}/{side}"] = local[source].sha256
+            write_json(args.metrics, metrics)  # inside atomic_dir: a failure here keeps the old data/raw too
+        run.log_results(metrics)
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

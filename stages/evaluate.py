@@ -9,17 +9,21 @@ scored against the raw references data/raw/{split}.{tgt}:
 - `bleu`, `chrf`: sacreBLEU on detokenized text (tokenizer `evaluate.tokenize`,
   mixed case), with its signature: the numbers to compare across papers.
 - `bleu_tokenized`: the paper's number (Sec. 6.1 used tensor2tensor's
-  get_ende_bleu.sh): both sides Moses-tokenized as `tokenizer.perl -l {tgt}`
-  does by default (escaping & < > ' " [ ] |), hyphenated compounds split with
-  `s{(\\S)-(\\S)}{$1 ##AT##-##AT## $2}g`, then multi-bleu.perl (BLEU on
-  whitespace tokens, no smoothing).
+  get_ende_bleu.sh): the hypotheses through `replace-unicode-punctuation.perl`
+  (typographic quotes, apostrophes, ellipses and CJK punctuation to ASCII; not
+  the en and em dashes), then both sides Moses-tokenized as
+  `tokenizer.perl -l {tgt}` does by default (escaping & < > ' " [ ] |),
+  hyphenated compounds split with `s{(\\S)-(\\S)}{$1 ##AT##-##AT## $2}g`, then
+  multi-bleu.perl (BLEU on whitespace tokens, no smoothing).
 
 metrics/eval.json is flat: the test set under plain keys (bleu, chrf,
 bleu_tokenized, signature, chrf_signature), the dev set as valid_bleu,
-valid_chrf, valid_bleu_tokenized. The last line on stdout is
-`BLEU = xx.x (sacreBLEU signature: ...)`. A hypothesis file that is empty or
-whose line count differs from its reference is an error, and no metrics are
-written.
+valid_chrf, valid_bleu_tokenized, each as sacreBLEU prints it (2 decimals:
+100.0 when hypothesis and reference agree, not 100.00000000000004). The last
+line on stdout is `BLEU = xx.x (sacreBLEU signature: ...)`. A hypothesis file
+that is empty or whose line count differs from its reference is an error, and
+no metrics are written. The MLflow run keeps the hypotheses and references scored
+(artifacts `hypotheses/` and `references/`), for `python -m tools.compare`.
 """
 
 from __future__ import annotations
@@ -30,10 +34,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from sacrebleu.metrics import BLEU, CHRF
-from sacremoses import MosesTokenizer
+from sacrebleu.metrics.base import Score
+from sacremoses import MosesPunctNormalizer, MosesTokenizer
 
 from pipeline import cli, config, tracking
 from pipeline.config import DataConfig, EvaluateConfig
+from pipeline.errors import PipelineError
 from pipeline.files import write_json
 from pipeline.formats import DECODED_SPLITS
 
@@ -44,7 +50,7 @@ log = logging.getLogger(__name__)
 COMPOUND = re.compile(r"(\S)-(\S)", re.ASCII)
 
 
-class EvaluateError(ValueError):
+class EvaluateError(PipelineError):
     """Translations and references do not line up; the message names the files."""
 
 
@@ -90,15 +96,29 @@ def split_compounds(tokenized: str) -> str:
 
 def paper_tokenize(lines: list[str], lang: str) -> list[str]:
     """`tokenizer.perl -l lang` (default escaping) then compound splitting, line by line."""
-    moses = MosesTokenizer(lang=lang)
+    moses = MosesTokenizer(lang=lang)  # Paper: tokenizer.perl itself; sacremoses is its Python port
     return [split_compounds(moses.tokenize(line, return_str=True, escape=True)) for line in lines]
 
 
+def replace_unicode_punctuation(lines: list[str], lang: str) -> list[str]:
+    """Moses' replace-unicode-punctuation.perl, line by line: “ ” ’ … 「 」 （ ） ... to ASCII forms."""
+    normalizer = MosesPunctNormalizer(lang=lang)
+    return [normalizer.replace_unicode_punct(line) for line in lines]
+
+
+def printed(score: Score) -> float:
+    """A score as sacreBLEU prints it (Score.format's default width: 2 decimals): 100.0, not 100.00000000000004."""
+    return float(score.format(score_only=True))
+
+
 def tokenized_bleu(hyps: list[str], refs: list[str], lang: str) -> float:
-    """get_ende_bleu.sh: Moses tokenization, ATAT compounds, multi-bleu.perl (no smoothing)."""
+    """get_ende_bleu.sh: unicode punctuation replaced, Moses tokenization, ATAT compounds, multi-bleu.perl."""
+    # Only the hypotheses, as get_ende_bleu.sh does: its reference (newstest.tok.de) was Moses-tokenized
+    # without the replacement, so a typographic quote copied from the source no longer matches one there.
+    hyps = replace_unicode_punctuation(hyps, lang)
     # force: the input is tokenized on purpose; without it sacreBLEU warns "you forgot to detokenize"
     bleu = BLEU(tokenize="none", smooth_method="none", force=True)
-    return bleu.corpus_score(paper_tokenize(hyps, lang), [paper_tokenize(refs, lang)]).score
+    return printed(bleu.corpus_score(paper_tokenize(hyps, lang), [paper_tokenize(refs, lang)]))
 
 
 def score(hyps: list[str], refs: list[str], lang: str, tokenize: str) -> Scores:
@@ -106,8 +126,8 @@ def score(hyps: list[str], refs: list[str], lang: str, tokenize: str) -> Scores:
     bleu, chrf = BLEU(tokenize=tokenize), CHRF()
     bleu_score, chrf_score = bleu.corpus_score(hyps, [refs]), chrf.corpus_score(hyps, [refs])
     return Scores(
-        bleu=bleu_score.score,
-        chrf=chrf_score.score,
+        bleu=printed(bleu_score),
+        chrf=printed(chrf_score),
         bleu_tokenized=tokenized_bleu(hyps, refs, lang),
         signature=str(bleu.get_signature()),
         chrf_signature=str(chrf.get_signature()),
@@ -138,13 +158,16 @@ def main(argv: list[str] | None = None) -> None:
     args = cli.start(__doc__, argv, "translations", "raw", "metrics")
     cfg = config.load(args.params, "evaluate", EvaluateConfig)
     lang = config.load(args.params, "data", DataConfig).tgt_lang
-    with tracking.stage_run("evaluate", args.params) as run:
+    with tracking.stage_run("evaluate", args) as run:
         run.log_params({"evaluate": asdict(cfg), "data": {"tgt_lang": lang}})
         metrics = score_splits(args.translations, args.raw, lang, cfg.tokenize)
+        for split in DECODED_SPLITS:  # what tools.compare tests for significance, with the reference it was scored on
+            run.log_artifact(args.translations / f"{split}.{lang}", "hypotheses")
+            run.log_artifact(args.raw / f"{split}.{lang}", "references")
         write_json(args.metrics, metrics)
         run.log_metrics({k: v for k, v in metrics.items() if isinstance(v, float)})
     print(f"BLEU = {metrics['bleu']:.1f} (sacreBLEU signature: {metrics['signature']})", flush=True)
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

@@ -1,21 +1,25 @@
-"""Train stage: the Transformer on the stored batches, 1 to 8 processes with torchrun (pipeline/trainer.py).
+"""Train stage: the Transformer on the stored batches, 1 to 8 processes (pipeline/trainer.py).
 
-    torchrun --standalone --nproc_per_node=${train.devices} -m stages.train --tokenized data/tokenized \
-        --batches data/batches --checkpoints data/checkpoints --metrics metrics/train.json \
-        --plot plots/train.csv [--params params.yaml]
-    python -m stages.train ...                      # the same with one process (train.devices: 1)
+    python -m stages.train --tokenized data/tokenized --batches data/batches --checkpoints data/checkpoints \
+        --metrics metrics/train.json --plot plots/train.csv [--params params.yaml]
 
 Reads params `model` (ModelConfig), `train` (TrainConfig) and `batch.max_tokens`.
-Resumes from the newest complete checkpoint with the same params_hash; stops at
-train.max_steps (train.max_minutes is a safety stop, recorded when it fires). Outputs (rank 0 only): checkpoints,
-metrics/train.json, plots/train.csv and an MLflow child run (pipeline/tracking.py).
+With train.devices > 1 the command checks the params and inputs, then starts
+that many processes as `torchrun --standalone --nproc_per_node=<devices> -m
+stages.train ...` does (pipeline.distributed.launch), so that a failure ends
+with the failing process's message rather than torchrun's report; running that
+torchrun command directly works too. Resumes from the newest complete checkpoint
+with the same params_hash; stops at train.max_steps (train.max_minutes is a
+safety stop, recorded when it fires); Ctrl-C says at which step it stopped.
+Outputs (rank 0 only): checkpoints, metrics/train.json, plots/train.csv and an
+MLflow child run (pipeline/tracking.py).
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 
-from tqdm.contrib.logging import logging_redirect_tqdm
 
 from model.config import ModelConfig
 from pipeline import cli, config, distributed, tracking
@@ -33,15 +37,23 @@ def main(argv: list[str] | None = None) -> None:
     model_cfg = config.load(args.params, "model", ModelConfig)
     cfg = config.load(args.params, "train", TrainConfig)
     max_tokens = config.load(args.params, "batch", BatchConfig).max_tokens
-    if cfg.keep_checkpoints < 1:
-        raise config.ParamsError(f"{args.params}: train.keep_checkpoints must be at least 1, got {cfg.keep_checkpoints}")
+    if cfg.devices > 1 and not distributed.launched_by_torchrun():
+        TrainingData.load(args.tokenized, args.batches)  # a missing input fails here, before any process starts
+        distributed.launch(cfg.devices, "stages.train", sys.argv[1:] if argv is None else argv)
+        return
     ctx = distributed.setup(cfg.devices)
     cli.setup_logging(logging.INFO if ctx.is_main else logging.WARNING)
     try:
-        with tracking.stage_run("train", args.params, enabled=ctx.is_main) as run, logging_redirect_tqdm():
+        with tracking.stage_run("train", args, enabled=ctx.is_main) as run:
             data = TrainingData.load(args.tokenized, args.batches)
             phash = params_hash(model_cfg, cfg, max_tokens, args.tokenized, args.batches)
-            metrics = Trainer(data, model_cfg, cfg, max_tokens, ctx, run, phash, args.checkpoints, args.plot).fit()
+            trainer = Trainer(data, model_cfg, cfg, max_tokens, ctx, run, phash, args.checkpoints, args.plot)
+            try:
+                metrics = trainer.fit()
+            except KeyboardInterrupt:  # Ctrl-C: one line, from rank 0, instead of each process's traceback
+                if not ctx.is_main:
+                    raise SystemExit(cli.EXIT_INTERRUPTED) from None
+                raise KeyboardInterrupt(trainer.interrupted()) from None
             if ctx.is_main:
                 write_json(args.metrics, metrics)
                 run.log_metrics({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=metrics["steps"])
@@ -51,4 +63,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

@@ -10,8 +10,9 @@ at most max_tokens // beam_size sentences (so that the decoder's beam_size rows
 per sentence stay within max_tokens rows too); each batch is one batched beam
 search (model/beam_search.py). Outputs go back to the original order, are
 detokenized with the sentencepiece model, and written (both splits at once,
-atomically) as data/translations/{split}.{tgt}: line i translates source line i,
-an empty source line included. data/raw is read only to check that the encoded
+atomically) as data/translations/{split}.{tgt}: line i translates source line i.
+An empty source line (or one that encodes to no pieces) is not decoded: its
+translation is an empty line, in the files and on stdout. data/raw is read only to check that the encoded
 splits still match it line for line.
 
 Interactive / piped use, same model, search and params:
@@ -50,17 +51,9 @@ from pipeline import cli, config, tracking
 from pipeline.checkpoint import load_model
 from pipeline.config import ParamsError, TranslateConfig
 from pipeline.formats import BOS_ID, DECODED_SPLITS, EOS_ID, PAD_ID, load_spm, load_split, read_meta
-from pipeline.files import atomic_dir, count_lines, write_text
+from pipeline.files import InputError, atomic_dir, count_lines, write_text
 
 log = logging.getLogger(__name__)
-
-def check_config(cfg: TranslateConfig, params: Path) -> None:
-    """Reject values the search cannot use, naming the key."""
-    for key, value, least in (("beam_size", cfg.beam_size, 1), ("max_tokens", cfg.max_tokens, 1),
-                              ("max_len_a", cfg.max_len_a, 0), ("max_len_b", cfg.max_len_b, 0)):
-        if value < least:
-            raise ParamsError(f"{params}: translate.{key} = {value}: expected at least {least}")
-
 
 def max_source_len(max_positions: int, cfg: TranslateConfig) -> int:
     """Longest source (EOS included) that fits the positional encoding, and whose output limit fits too."""
@@ -115,7 +108,7 @@ def translate_ids(
         raise ParamsError(f"translate.max_len_a = {cfg.max_len_a}, max_len_b = {cfg.max_len_b}: even an empty source's "
                           f"output limit exceeds the model's max_positions = {model.max_positions}")
     lengths = np.fromiter((min(len(s), limit) + 1 for s in sources), dtype=np.int64, count=len(sources))
-    if truncated := sum(len(s) > limit for s in sources):
+    if truncated := sum(len(s) > limit for s in sources):  # Paper: no limit; ours is model.max_positions
         log.warning("%d source sentence(s) longer than %d tokens are cut to fit model.max_positions", truncated, limit)
 
     def search(batch: np.ndarray) -> list[Hypothesis]:
@@ -124,11 +117,14 @@ def translate_ids(
         return beam_search(model, src, cfg.beam_size, cfg.length_penalty, cfg.max_len_a, cfg.max_len_b, BOS_ID, EOS_ID,
                            use_cache)
 
-    batches = decoding_batches(lengths, cfg.max_tokens, max(1, cfg.max_tokens // cfg.beam_size))
+    nonempty = np.flatnonzero(np.fromiter((len(s) > 0 for s in sources), dtype=bool, count=len(sources)))
+    batches = [nonempty[b] for b in decoding_batches(lengths[nonempty], cfg.max_tokens,
+                                                     max(1, cfg.max_tokens // cfg.beam_size))]
     workers, threads = parallel_searches(len(batches), torch.get_num_threads(), device.type == "cuda")
     outputs: list[list[int]] = [[] for _ in sources]
     with (tqdm(total=len(sources), unit="sentence", desc="translate", disable=not progress, mininterval=5) as bar,
           torch_threads(threads), ThreadPoolExecutor(workers) as pool):
+        bar.update(len(sources) - len(nonempty))  # an empty line is not decoded: its translation is empty
         for batch, hyps in zip(batches, pool.map(search, batches)):  # each batch's result is its own: same outputs
             for i, hyp in zip(batch.tolist(), hyps):
                 outputs[i] = hyp.tokens
@@ -147,9 +143,9 @@ def translate_split(model: Transformer, sp: spm.SentencePieceProcessor, tokenize
     sources = load_split(tokenized, split, langs[0])
     raw_path = raw / f"{split}.{langs[0]}"
     if not raw_path.exists():
-        raise FileNotFoundError(f"{raw_path}: missing; run the download stage first")
+        raise InputError(f"{raw_path}: missing; run the download stage first")
     if (n := count_lines(raw_path)) != len(sources):
-        raise ValueError(f"{tokenized}: {split}.{langs[0]} holds {len(sources)} sentences but {raw_path} has {n} "
+        raise InputError(f"{tokenized}: {split}.{langs[0]} holds {len(sources)} sentences but {raw_path} has {n} "
                          "lines; re-run the tokenize stage")
     start = time.perf_counter()
     lines = detokenize(sp, translate_ids(model, sources, cfg))
@@ -197,7 +193,6 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--raw and --out are required unless --stdin is given")
     cli.setup_logging()
     cfg = config.load(args.params, "translate", TranslateConfig)
-    check_config(cfg, args.params)
     if "OMP_NUM_THREADS" not in os.environ:  # an explicit setting wins
         torch.set_num_threads(os.cpu_count() or 1)
     model = load_model(args.model, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
@@ -207,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     meta = read_meta(args.tokenized)
     langs = (meta["src_lang"], meta["tgt_lang"])
-    with tracking.stage_run("translate", args.params) as run:
+    with tracking.stage_run("translate", args) as run:
         run.log_params({"translate": asdict(cfg)})
         start = time.perf_counter()
         translations = {split: translate_split(model, sp, args.tokenized, args.raw, split, langs, cfg)
@@ -222,4 +217,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

@@ -1,7 +1,7 @@
 """A tiny real HTTP server for tests: serves a directory on 127.0.0.1, with injectable faults.
 
     with FileServer(tmp_path / "www") as server:
-        server.fail_first = 2          # answer 503 to the next two requests
+        server.fail_first = 2          # answer 503 to the next two requests (of fail_method, if set)
         server.cut_after = 100         # then cut the next response body after 100 bytes
         requests.get(server.url("a/b.gz"))
         server.requests                # what was asked: [Request(method, path, headers, status)]
@@ -41,6 +41,7 @@ class FileServer:
         self.root = Path(root).resolve()
         self.fail_first = 0  # answer the next K requests with `fail_status`
         self.fail_status = 503
+        self.fail_method: str | None = None  # only requests of this method use up fail_first (None: all)
         self.cut_after: int | None = None  # send only this many body bytes, then drop the connection
         self.cut_times = 1  # how many responses `cut_after` applies to
         self.honour_range = True
@@ -107,7 +108,7 @@ def _handler_for(server: FileServer) -> type[http.server.BaseHTTPRequestHandler]
 
         def _serve(self, body: bool) -> None:
             headers = dict(self.headers.items())
-            if server._take("fail_first"):
+            if server.fail_method in (None, self.command) and server._take("fail_first"):
                 return self._status(server.fail_status, headers)
             path = server._file(self.path)
             if path is None:

@@ -32,10 +32,11 @@ from pipeline import distributed, fetch, tracking
 from stages import average, batch, download, evaluate, train, translate
 from pipeline.checkpoint import CheckpointError, load_checkpoint, load_model, save_checkpoint, sidecar
 from pipeline.config import DataConfig, ParamsError, TokenizeConfig, TrainConfig, compose, load
+from pipeline.files import InputError
 from stages.tokenize import tokenize
 from tests.http_fixtures import FileServer
 from tests.pipeline_fixtures import ROOT
-from tests.train_fixtures import stage_args
+from tests.train_fixtures import TRAIN, stage_args
 from tests.train_fixtures import write_corpus as write_train_corpus
 from tests.train_fixtures import write_params as write_train_params
 from tests.translation_fixtures import MODEL_CONFIG, save_model, sentence_pairs, write_lines
@@ -152,7 +153,7 @@ def test_a_url_that_is_not_there_is_named_and_not_retried(tmp_path):
         data["valid"][0]["src"]["url"] += ".gone"
 
     asked = []
-    with pytest.raises(fetch.NotFound, match=r"http://127\.0\.0\.1:\d+/valid\.src\.gone: HTTP 404"):
+    with pytest.raises(fetch.DownloadError, match=r"http://127\.0\.0\.1:\d+/valid\.src\.gone: HTTP 404"):
         run_download(tmp_path, edit=gone, asked=asked)
     assert asked.count("/valid.src.gone") == 1
     assert nothing_written(tmp_path, "raw", "raw.json")
@@ -290,7 +291,7 @@ def test_truncated_token_ids_are_refused_by_the_batch_stage_naming_the_file(tmp_
     tokenized, _ = write_train_corpus(tmp_path / "corpus")
     ids = tokenized / "train.en.ids"
     ids.write_bytes(ids.read_bytes()[:-6])
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"batch": {"max_tokens": 24, "seed": 1}}))
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"batch": {"max_tokens": 24, "seed": 1}, "train": TRAIN}))
     with pytest.raises(ValueError, match=r"train\.en\.offsets: offsets do not describe .*train\.en\.ids"):
         batch.main(["--tokenized", str(tokenized), "--out", str(tmp_path / "batches"),
                     "--metrics", str(tmp_path / "batch.json"), "--params", str(tmp_path / "params.yaml")])
@@ -339,7 +340,7 @@ def test_a_tokenizer_from_another_run_is_refused_naming_it(tmp_path, long_lines)
 
 def test_a_missing_model_is_named(tmp_path, long_lines):
     raw, tokenized, _ = long_lines
-    with pytest.raises(FileNotFoundError, match=r"nowhere/model\.pt: missing; run the average stage first"):
+    with pytest.raises(InputError, match=r"nowhere/model\.pt: missing; run the average stage first"):
         translate.main(["--model", str(tmp_path / "nowhere"), "--tokenized", str(tokenized), "--raw", str(raw),
                         "--out", str(tmp_path / "out"), "--params", str(write_translate_params(tmp_path / "p.yaml"))])
     assert nothing_written(tmp_path, "out")

@@ -12,6 +12,8 @@ import yaml
 from stages import batch
 from stages.batch import fill, make_batches, padding_stats
 from pipeline.formats import ID_DTYPE, OFFSET_DTYPE, Ragged, load_batches, split_paths
+from tests.train_fixtures import TRAIN
+from tests.translation_fixtures import shared_store, store  # noqa: F401 (fixtures: one MLflow store per module)
 
 
 def random_lengths(rng: np.random.Generator, n: int, kind: str) -> tuple[np.ndarray, np.ndarray]:
@@ -117,9 +119,9 @@ def write_tokenized(directory: Path, lengths: dict[str, tuple[np.ndarray, np.nda
     (directory / "meta.json").write_text(json.dumps(meta))
 
 
-def run_main(tmp_path: Path, max_tokens: int) -> dict:
+def run_main(tmp_path: Path, max_tokens: int, **train) -> dict:
     params = tmp_path / "params.yaml"
-    params.write_text(yaml.safe_dump({"batch": {"max_tokens": max_tokens, "seed": 1}}))
+    params.write_text(yaml.safe_dump({"batch": {"max_tokens": max_tokens, "seed": 1}, "train": {**TRAIN, **train}}))
     batch.main(["--tokenized", str(tmp_path / "tokenized"), "--out", str(tmp_path / "batches"),
                 "--metrics", str(tmp_path / "batch.json"), "--params", str(params)])
     return json.loads((tmp_path / "batch.json").read_text())
@@ -130,7 +132,7 @@ def test_main_batches_train_and_valid_with_lengths_as_the_model_sees_them(tmp_pa
     train = tuple(L - 1 for L in random_lengths(rng, 3000, "correlated"))
     valid = (np.array([0, 3, 9]), np.array([0, 4, 2]))  # valid keeps empty lines: length 0, 1 with EOS
     write_tokenized(tmp_path / "tokenized", {"train": train, "valid": valid, "test": valid})
-    metrics = run_main(tmp_path, max_tokens=400)
+    metrics = run_main(tmp_path, max_tokens=400, devices=2, tokens_per_step=2000, seed=5)  # 2 x 3 batches a step
 
     for split, (src, tgt) in (("train", train), ("valid", valid)):
         batches = load_batches(tmp_path / "batches", split)
@@ -139,7 +141,15 @@ def test_main_batches_train_and_valid_with_lengths_as_the_model_sees_them(tmp_pa
         "train.bounds.npy", "train.index.npy", "valid.bounds.npy", "valid.index.npy"]
     train_batches = load_batches(tmp_path / "batches", "train")
     expected = padding_stats(train[0] + 1, train[1] + 1, train_batches)
-    assert metrics == {**expected, "max_tokens": 400, "num_batches": len(train_batches),
+    # Real tokens of each step of the first epoch: the train stage's order (seed + epoch 0), 6 batches at a time.
+    order = np.random.default_rng(5).permutation(len(train_batches))
+    steps = [np.concatenate([train_batches[b] for b in order[i : i + 6]]) for i in range(0, len(order), 6)]
+    per_step = {side: [int(lengths[rows].sum()) for rows in steps]
+                for side, lengths in (("src", train[0] + 1), ("tgt", train[1] + 1))}
+    assert len(per_step["src"]) > 3 and sum(per_step["tgt"]) == int((train[1] + 1).sum())
+    expected |= {f"{side}_tokens_per_step_{stat}": f(per_step[side]) for side in per_step
+                 for stat, f in (("mean", np.mean), ("min", min), ("max", max))}
+    assert metrics == {**expected, "max_tokens": 400, "num_batches": len(train_batches), "batches_per_step": 6,
                        "valid_num_batches": 1, "valid_padding_efficiency": pytest.approx(24 / 45)}
 
 

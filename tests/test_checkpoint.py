@@ -13,7 +13,7 @@ import torch
 from model.config import ModelConfig
 from model.transformer import Transformer
 from pipeline.checkpoint import (CheckpointError, capture_rng, complete_checkpoints, fingerprint, load_checkpoint,
-                               restore_rng, save_checkpoint, sidecar)
+                               restore_rng, resume_point, save_checkpoint, sidecar)
 from tests.train_fixtures import MODEL, VOCAB
 
 
@@ -73,6 +73,23 @@ def test_only_the_newest_checkpoints_are_kept(tmp_path):
     assert torch.equal(load_checkpoint(complete_checkpoints(tmp_path)[-1])["model"]["w"], torch.full((2,), 5.0))
     with pytest.raises(ValueError, match="keep"):
         save_checkpoint(tmp_path, {"step": 6, "model": {}}, keep=0)
+
+
+def test_only_the_last_set_of_checkpoints_set_aside_is_kept(tmp_path, caplog):
+    """Each params change sets the old checkpoints aside; earlier sets are deleted, each with a logged line."""
+    checkpoints = tmp_path / "checkpoints"
+    for params_hash in ("first", "second", "third"):
+        assert resume_point(checkpoints, params_hash) is None
+        for step in (1, 2):
+            save_checkpoint(checkpoints, {"step": step, "model": {}, "params_hash": params_hash}, keep=5)
+    with caplog.at_level(logging.WARNING):
+        assert resume_point(checkpoints, "fourth") is None
+    sets = list((tmp_path / "checkpoints.stale").iterdir())
+    assert len(sets) == 1 and sorted(p.name for p in sets[0].iterdir()) == [
+        "step_00000001.pt", "step_00000001.pt.sha256", "step_00000002.pt", "step_00000002.pt.sha256"]
+    assert load_checkpoint(sets[0] / "step_00000002.pt")["params_hash"] == "third"
+    assert "deleting" in caplog.text and "only the last set is kept" in caplog.text
+    assert list(checkpoints.iterdir()) == []
 
 
 def test_load_errors_name_the_file(tmp_path):

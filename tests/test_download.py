@@ -8,7 +8,9 @@ import hashlib
 import io
 import json
 import logging
+import re
 import shutil
+import socket
 import tarfile
 import urllib.parse
 from pathlib import Path
@@ -21,6 +23,7 @@ from pipeline import fetch
 from stages import download
 from pipeline.config import ParamsError, load_all
 from tests.http_fixtures import FileServer
+from tests.translation_fixtures import shared_store, store  # noqa: F401 (fixtures: one MLflow store per module)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -171,6 +174,11 @@ def site(tmp_path, monkeypatch):
         yield Site(tmp_path, server, monkeypatch)
 
 
+def gets(server: FileServer) -> list:
+    """The GET requests a server answered (the download stage asks HEAD first, to check every file can be had)."""
+    return [r for r in server.requests if r.method == "GET"]
+
+
 def read_tree(path: Path) -> dict[str, bytes]:
     return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
 
@@ -194,7 +202,7 @@ def test_download_writes_aligned_splits_and_line_counts(site):
 def test_rerun_is_served_from_the_cache(site):
     first = read_tree(site.run())
     asked = len(site.server.requests)
-    assert asked == 4  # two .gz files and two archives, each archive fetched once for both members
+    assert len(gets(site.server)) == 4  # two .gz files and two archives, each archive fetched once for both members
     assert read_tree(site.run()) == first
     assert len(site.server.requests) == asked
 
@@ -238,24 +246,24 @@ def test_cut_connection_is_resumed_with_a_range_request(site, honour_range):
     site.server.cut_after, site.server.cut_times, site.server.honour_range = 100, 1, honour_range
     out = site.run()
     assert (out / "train.en").read_text(encoding="utf-8") == TRAIN_EN
-    first, second = [r for r in site.server.requests if r.path.endswith("train.en.gz")]
+    first, second = [r for r in gets(site.server) if r.path.endswith("train.en.gz")]
     assert "Range" not in first.headers
     assert second.headers["Range"] == "bytes=100-"
     assert second.status == (206 if honour_range else 200)
 
 
 def test_503_is_retried(site):
-    site.server.fail_first = 2
+    site.server.fail_first, site.server.fail_method = 2, "GET"
     out = site.run()
     assert (out / "train.en").read_text(encoding="utf-8") == TRAIN_EN
-    assert [r.status for r in site.server.requests[:3]] == [503, 503, 200]
+    assert [r.status for r in gets(site.server)[:3]] == [503, 503, 200]
 
 
 def test_persistent_503_gives_up_naming_the_url(site):
-    site.server.fail_first = 100
+    site.server.fail_first, site.server.fail_method = 100, "GET"
     with pytest.raises(fetch.DownloadError, match=f"train.en.gz: failed after {fetch.TRIES} tries: HTTP 503"):
         site.run()
-    assert len(site.server.requests) == fetch.TRIES
+    assert len(gets(site.server)) == fetch.TRIES
 
 
 def test_plain_http_without_sha256_is_refused_before_any_request(site):
@@ -313,7 +321,7 @@ def test_mirror_directory_and_http_mirror_give_byte_identical_outputs(site):
             "dir-archives": site.run(out="dir-archives", cache="c2", mirror=str(archives)),
             "http": site.run(out="http", cache="c3", mirror=mirror_server.url("base/")),
         }
-        member_requests = [p for p in mirror_server.paths_requested() if "dev.tgz/dev/" in p]
+        member_requests = [r.path for r in gets(mirror_server) if "dev.tgz/dev/" in r.path]
     assert len(site.server.requests) == asked  # the official server was not asked again
     assert sorted(member_requests) == [f"/base/{site.host}/wmt/dev.tgz/dev/valid.{lang}" for lang in ("de", "en")]
     for name, out in outs.items():
@@ -324,7 +332,7 @@ def test_mirror_directory_and_http_mirror_give_byte_identical_outputs(site):
 def test_file_missing_from_the_http_mirror_comes_from_the_official_url(site):
     with FileServer(site.tmp / "empty_mirror") as mirror_server:
         out = site.run(mirror=mirror_server.base_url)
-        assert len(mirror_server.requests) == 6 and {r.status for r in mirror_server.requests} == {404}
+        assert len(gets(mirror_server)) == 6 and {r.status for r in mirror_server.requests} == {404}
     assert (out / "train.en").read_text(encoding="utf-8") == TRAIN_EN
 
 
@@ -335,7 +343,7 @@ def test_path_traversal_member_is_refused(site):
     site.archives["wmt/dev.tgz"]["../evil.en"] = b"owned\n"
     data = site.data()
     data["valid"][0]["src"] = site.source("wmt/dev.tgz", "../evil.en")
-    with pytest.raises(ParamsError, match=r"'\.\./evil\.en' of archive http://.*/wmt/dev\.tgz would land outside"):
+    with pytest.raises(ParamsError, match=r"data\.valid\[0\]\.src\.member = '\.\./evil\.en': expected a relative path inside the archive, without '\.\.'"):
         site.run(data)
     assert site.server.requests == []
 
@@ -443,10 +451,10 @@ def test_line_breaks_inside_lines_are_kept_and_warned(tmp_path, caplog):
     [
         (lambda d: d["train"][0]["src"].update(member="x.en"), r"data\.train\[0\]\.src\.member: .* is not a"),
         (lambda d: d["valid"][0]["tgt"].update(member=None), r"data\.valid\[0\]\.tgt\.member: .* is an archive"),
-        (lambda d: d["test"][0]["src"].update(sha256="ABC"), r"data\.test\[0\]\.src\.sha256: expected 64 lowercase hex"),
+        (lambda d: d["test"][0]["src"].update(sha256="ABC"), r"data\.test\[0\]\.src\.sha256 = 'ABC': expected 64 lowercase hex"),
         (lambda d: d["test"][0].update(name="toy-train"), r"data\.test\[0\]\.name: 'toy-train' is used twice"),
-        (lambda d: d.update(valid=[]), r"data\.valid: no corpora"),
-        (lambda d: d["train"][0]["src"].update(url="ftp://example.org/a.gz"), r"data\.train\[0\]\.src\.url: not an http"),
+        (lambda d: d.update(valid=[]), r"data\.valid: 0 item\(s\); expected a number of items in \[1, inf\)"),
+        (lambda d: d["train"][0]["src"].update(url="ftp://example.org/a.gz"), r"data\.train\[0\]\.src\.url = 'ftp://example\.org/a\.gz': expected an http\(s\) URL"),
     ],
 )
 def test_bad_sources_are_refused_naming_the_params_key(site, edit, message):
@@ -455,3 +463,54 @@ def test_bad_sources_are_refused_naming_the_params_key(site, edit, message):
     with pytest.raises(ParamsError, match=message):
         site.run(data)
     assert site.server.requests == []
+
+
+# --- nothing touched when a file cannot be had; errors name the mirror copy that was read ------------------------
+
+
+def closed_port_url(path: str) -> str:
+    """An http URL on 127.0.0.1 where nothing listens: what an unreachable host looks like, without a network."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}/{path}"
+
+
+def test_files_that_cannot_be_had_are_all_named_before_anything_is_downloaded(site):
+    before = read_tree(site.run(cache="cache1"))
+    data = site.data()
+    data["train"][0]["tgt"] = {"url": site.server.url("corpus/gone.de.gz"), "member": None, "sha256": "0" * 64}
+    unreachable = closed_port_url("wmt/test-full.tgz")
+    for side in ("src", "tgt"):
+        data["test"][0][side]["url"] = unreachable
+    site.server.requests.clear()
+    with pytest.raises(fetch.DownloadError) as refused:
+        site.run(data, cache="cache2")
+    assert re.fullmatch(
+        r"cannot get 2 of 4 file\(s\), so nothing was downloaded or changed: http://127\.0\.0\.1:\d+/corpus/gone\.de\.gz: "
+        rf"HTTP 404 [^;]*; {re.escape(unreachable)}: Connection refused; without network access, set CORPUS_MIRROR .*",
+        str(refused.value)), str(refused.value)
+    assert gets(site.server) == [] and not (site.tmp / "cache2").exists()  # not one byte fetched
+    assert read_tree(site.tmp / "raw") == before
+
+
+def test_an_unreachable_http_mirror_is_named_before_anything_is_downloaded(site):
+    mirror = closed_port_url("base/")
+    with pytest.raises(fetch.DownloadError, match=rf"cannot get 4 of 4 .*/corpus/train\.en\.gz: CORPUS_MIRROR "
+                                                  rf"{re.escape(mirror)}{re.escape(site.host)}/corpus/train\.en\.gz: "
+                                                  "Connection refused"):
+        site.run(mirror=mirror)
+    assert site.server.requests == [] and not (site.tmp / "cache").exists() and not (site.tmp / "raw").exists()
+
+
+def test_an_error_in_a_mirror_copy_names_the_official_url_and_the_mirror_file(site):
+    mirror = make_mirror(site, site.tmp / "mirror", unpack=True)
+    copy_read = mirror / site.host / "corpus" / "train.de.gz"
+    broken = gzip.compress(b"Ein Hund.\nEin \xff Kind.\n", mtime=0)
+    copy_read.write_bytes(broken)
+    data = site.data()
+    data["train"][0]["tgt"]["sha256"] = sha256(broken)  # pinned to the broken bytes: only reading can tell
+    with pytest.raises(fetch.DownloadError) as refused:
+        site.run(data, mirror=str(mirror))
+    assert str(refused.value).startswith(
+        f"{data['train'][0]['tgt']['url']} (read from CORPUS_MIRROR copy {copy_read}): line 2: invalid UTF-8")

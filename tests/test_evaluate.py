@@ -65,8 +65,8 @@ def test_bleu_and_chrf_equal_the_sacrebleu_command_line(tmp_path, capsys):
     metrics = json.loads(run(tmp_path).read_text())
     for split, prefix in (("test", ""), ("valid", "valid_")):
         ref, hyp = tmp_path / "raw" / f"{split}.de", tmp_path / "translations" / f"{split}.de"
-        assert metrics[f"{prefix}bleu"] == pytest.approx(float(cli(ref, hyp, "-m", "bleu", "-b", "-w", "6")), abs=1e-6)
-        assert metrics[f"{prefix}chrf"] == pytest.approx(float(cli(ref, hyp, "-m", "chrf", "-b", "-w", "6")), abs=1e-6)
+        assert metrics[f"{prefix}bleu"] == float(cli(ref, hyp, "-m", "bleu", "-b", "-w", "2"))
+        assert metrics[f"{prefix}chrf"] == float(cli(ref, hyp, "-m", "chrf", "-b", "-w", "2"))
     ref, hyp = tmp_path / "raw" / "test.de", tmp_path / "translations" / "test.de"
     assert metrics["signature"] == json.loads(cli(ref, hyp, "-m", "bleu"))["signature"]
     assert metrics["chrf_signature"] == json.loads(cli(ref, hyp, "-m", "chrf"))["signature"]
@@ -98,7 +98,15 @@ def test_tokenized_bleu_by_hand_with_a_split_compound(tmp_path):
     """
     metrics = json.loads(run(tmp_path, {"test": ["Der Hals-Nasen-Arzt kommt."], "valid": HYPS["valid"]},
                              {"test": ["Der Hals-Nasen-Ohren-Arzt kommt."], "valid": REFS["valid"]}).read_text())
-    assert metrics["bleu_tokenized"] == pytest.approx(100 * math.exp(-0.25) * 0.5**0.25, abs=1e-9)
+    assert metrics["bleu_tokenized"] == float(f"{100 * math.exp(-0.25) * 0.5**0.25:.2f}") == 65.49
+
+
+def test_a_perfect_translation_scores_exactly_100_as_sacrebleu_prints_it(tmp_path):
+    metrics = run(tmp_path, REFS, REFS)
+    text = metrics.read_text()
+    for key in ("bleu", "chrf", "bleu_tokenized", "valid_bleu", "valid_chrf", "valid_bleu_tokenized"):
+        assert json.loads(text)[key] == 100.0, key
+    assert "100.0000" not in text  # sacreBLEU's own score here is 100.00000000000004
 
 
 def test_tokenized_bleu_does_not_warn_about_its_own_tokenization():
@@ -142,3 +150,19 @@ def test_a_line_count_mismatch_is_refused_and_the_old_metrics_stay(tmp_path):
 def test_a_missing_translation_file_is_named(tmp_path):
     with pytest.raises(evaluate.EvaluateError, match=r"translations/valid\.de: missing"):
         run(tmp_path, {"test": HYPS["test"]})
+
+
+def test_tokenized_bleu_replaces_unicode_punctuation_in_the_hypotheses_only():
+    """get_ende_bleu.sh runs replace-unicode-punctuation.perl on the hypotheses, not on its reference: a
+    hypothesis that copies the reference's typographic quotes, apostrophe and ellipsis loses those matches;
+    the en dash is not in the script's list and still matches."""
+    ref = ["Er sagte gestern: “Das ist Peter’s Haus in der Stadt” – und ging dann … langsam nach Hause."]
+    assert evaluate.replace_unicode_punctuation(ref, "de") == [
+        'Er sagte gestern: "Das ist Peter\'s Haus in der Stadt" – und ging dann ... langsam nach Hause.']
+    hyp_tokens = evaluate.paper_tokenize(evaluate.replace_unicode_punctuation(ref, "de"), "de")[0].split()
+    ref_tokens = evaluate.paper_tokenize(ref, "de")[0].split()
+    assert "–" in hyp_tokens and "–" in ref_tokens and "&quot;" in hyp_tokens and "“" in ref_tokens
+    assert 0 < evaluate.tokenized_bleu(ref, ref, "de") < 60  # the same text, scored as the paper's script scores it
+    ascii_ref = evaluate.replace_unicode_punctuation(ref, "de")
+    assert evaluate.tokenized_bleu(ascii_ref, ascii_ref, "de") == pytest.approx(100.0)
+    assert evaluate.tokenized_bleu(ascii_ref, ref, "de") == evaluate.tokenized_bleu(ref, ref, "de")

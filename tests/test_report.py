@@ -26,7 +26,7 @@ def no_global_tracking_uri():
 
 
 def log_pipeline_run(client: MlflowClient, name: str, warmup_steps: int, bleu: float, bleu_tokenized: float,
-                     hours: float) -> None:
+                     hours: float, trained: bool = True) -> None:
     """A pipeline run as pipeline.tracking records one: a tagged parent with the metrics files, a child per stage."""
     experiment = client.get_experiment_by_name("transformer-multi30k")
     experiment_id = experiment.experiment_id if experiment else client.create_experiment("transformer-multi30k")
@@ -34,6 +34,8 @@ def log_pipeline_run(client: MlflowClient, name: str, warmup_steps: int, bleu: f
             "params_hash": f"hash-{name}", "data_name": "multi30k", "dvc_exp_name": name,
             "train.device": "cpu (2 threads/process)",
             "eval.signature": "nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:2.6.0"}
+    if trained:
+        tags["train.params_hash"] = f"{name:0<8}-weights"
     parent = client.create_run(experiment_id, tags=tags, run_name=name).info.run_id
     metrics = {"train.flops_analytic": 1.1e15 * hours, "train.flops_paper_estimate": 2.4e15 * hours,
                "train.train_hours": hours, "train.devices": 1, "train.peak_flops": 1.0e12, "train.mfu": 0.31,
@@ -72,7 +74,7 @@ def test_report_tables_both_runs_with_the_params_that_differ_and_plots_them(tmp_
     assert row["BLEU (sacreBLEU)"] == "33.00" and row["BLEU (tokenized, as the paper)"] == "35.50"
     assert row["FLOPs counted"] == "3.85e+14" and row["FLOPs paper's way"] == "8.40e+14"
     assert row["FLOPs at peak"] == "1.26e+15"  # 0.35 h x 3600 s x 1 device x 1e12 FLOP/s
-    assert row["device"] == "1 x cpu (2 threads/process)"
+    assert row["device"] == "1 x cpu (2 threads/process)" and row["model"] == "warm8000"
     assert "27.3" in text and "2.3e+19" in text  # the paper's rows
     assert "tok:13a" in text
 
@@ -80,6 +82,21 @@ def test_report_tables_both_runs_with_the_params_that_differ_and_plots_them(tmp_
     assert png.startswith(PNG_MAGIC)
     image = matplotlib.image.imread(out / "bleu_vs_flops.png")
     assert image.shape[0] > 300 and image.shape[1] > 400
+
+
+def test_report_shows_no_bleu_without_the_model_it_came_from(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    log_pipeline_run(client, "scored", 4000, 34.5, 36.25, 0.3)
+    log_pipeline_run(client, "orphan", 8000, 33.0, 35.5, 0.35, trained=False)  # eval.* but no train record
+    report.main(["--out", str(tmp_path / "reports"), "--tracking-uri", uri])
+    lines = (tmp_path / "reports" / "report.md").read_text().splitlines()
+    columns = [c.strip() for c in next(line for line in lines if line.startswith("| run")).strip("|").split("|")]
+    rows = {cells[0]: dict(zip(columns, cells)) for line in lines if line.startswith(("| scored", "| orphan"))
+            for cells in [[c.strip() for c in line.strip("|").split("|")]]}
+    assert rows["scored"]["BLEU (sacreBLEU)"] == "34.50" and rows["scored"]["model"] == "scored00"
+    assert [rows["orphan"][c] for c in ("model", "BLEU (sacreBLEU)", "BLEU (tokenized, as the paper)", "chrF")] \
+        == ["-"] * 4
 
 
 def test_report_without_runs_says_so(tmp_path):

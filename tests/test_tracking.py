@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
+import hashlib
 import json
 import logging
+import os
+import signal
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -14,9 +20,10 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from pipeline import distributed, tracking
-from stages import train
+from stages import evaluate, train
 from tests.http_fixtures import FileServer
-from tests.train_fixtures import stage_args, write_corpus, write_params
+from tests.test_evaluate import HYPS, REFS, write_split_files
+from tests.train_fixtures import ROOT, stage_args, stage_env, write_corpus, write_params
 
 
 @pytest.fixture(autouse=True)
@@ -34,6 +41,18 @@ def all_runs(uri: str) -> list:
     return client.search_runs([e.experiment_id for e in client.search_experiments()])
 
 
+def stage_args_of(params: Path, **paths: Path) -> argparse.Namespace:
+    """A stage's parsed command line: --params and its path arguments."""
+    return argparse.Namespace(params=params, **paths)
+
+
+def evaluate_params(path: Path) -> Path:
+    """A params file for the evaluate stage (13a, German references)."""
+    data = yaml.safe_load((ROOT / "params.yaml").read_text())["data"] | {"tgt_lang": "de"}
+    path.write_text(yaml.safe_dump({"evaluate": {"tokenize": "13a"}, "data": data}))
+    return path
+
+
 def closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -46,19 +65,41 @@ def test_a_dvc_queue_temp_copy_tracks_into_the_repos_database(tmp_path, monkeypa
     repo = tmp_path / "repo"
     copy = repo / ".dvc" / "tmp" / EXEC_TMP_DIR / "tmpab12cd"
     copy.mkdir(parents=True)
+    for root in (repo, copy):
+        (root / "dvc.yaml").write_text("stages: {}\n")
     monkeypatch.delenv("MLFLOW_TRACKING_URI")
-    assert tracking.repo_root(copy / "params.yaml") == repo
-    assert tracking.tracking_uri(copy / "params.yaml") == f"sqlite:///{repo / 'mlflow.db'}"
-    assert tracking.tracking_uri(repo / "params.yaml") == f"sqlite:///{repo / 'mlflow.db'}"
-    assert Path(tracking.tracking_uri(Path("params.yaml")).removeprefix("sqlite:///")).is_absolute()
+    monkeypatch.delenv("DVC_ROOT", raising=False)
+    assert tracking.repo_root(copy) == repo
+    monkeypatch.chdir(copy)  # where `dvc exp run --queue` runs the stages
+    assert tracking.tracking_uri() == f"sqlite:///{repo / 'mlflow.db'}"
+    monkeypatch.chdir(repo / ".dvc")
+    assert tracking.tracking_uri() == f"sqlite:///{repo / 'mlflow.db'}"
+    monkeypatch.setenv("DVC_ROOT", str(copy))  # what DVC sets for the stages it runs
+    assert tracking.tracking_uri() == f"sqlite:///{repo / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://tracking.example:5000")
-    assert tracking.tracking_uri(copy / "params.yaml") == "http://tracking.example:5000"
+    assert tracking.tracking_uri() == "http://tracking.example:5000"
+
+
+def test_the_store_stays_at_the_repo_root_whatever_params_file_is_passed(tmp_path, monkeypatch):
+    repo = tmp_path / "repo"
+    (repo / "some" / "dir").mkdir(parents=True)
+    (repo / "dvc.yaml").write_text("stages: {}\n")
+    params = evaluate_params(repo / "some" / "dir" / "file.yaml")
+    translations, raw = write_split_files(repo, HYPS, REFS)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    monkeypatch.chdir(repo / "some")
+    evaluate.main(["--translations", str(translations), "--raw", str(raw), "--metrics", str(repo / "eval.json"),
+                   "--params", str(params)])
+    assert (repo / "mlflow.db").is_file() and not (params.parent / "mlflow.db").exists()
+    assert [r.data.tags["stage"] for r in all_runs(f"sqlite:///{repo / 'mlflow.db'}")] == ["evaluate"]
 
 
 def test_a_training_run_is_a_train_child_under_its_pipeline_parent(tmp_path, monkeypatch):
     uri = f"sqlite:///{tmp_path / 'store.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     monkeypatch.setenv("DVC_EXP_NAME", "brisk-wren")
+    monkeypatch.setenv("DVC_STAGE", "train")  # as `dvc repro` runs it
+    monkeypatch.chdir(tmp_path)
     write_corpus(tmp_path)
     params = write_params(tmp_path / "params.yaml", max_steps=4, log_every=1)
     train.main(stage_args(tmp_path, params))
@@ -73,6 +114,7 @@ def test_a_training_run_is_a_train_child_under_its_pipeline_parent(tmp_path, mon
     for key in ("flops_analytic", "mfu", "valid_ppl", "train_tokens", "tokens_per_second"):
         assert child.data.metrics[key] == pytest.approx(metrics[key]), key
     assert child.data.params["model.d_model"] == "16" and child.data.params["train.warmup_steps"] == "4"
+    assert child.data.tags["path.checkpoints"] == str(tmp_path / "checkpoints")
     history = MlflowClient(uri).get_metric_history(child.info.run_id, "loss")
     assert sorted(m.step for m in history) == [1, 2, 3, 4]
     tags = parent.data.tags
@@ -86,13 +128,17 @@ def test_a_training_run_is_a_train_child_under_its_pipeline_parent(tmp_path, mon
 def test_later_stages_join_the_same_parent_and_a_params_change_opens_another(tmp_path, monkeypatch):
     uri = f"sqlite:///{tmp_path / 'store.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.chdir(tmp_path)
     params = tmp_path / "params.yaml"
     params.write_text(yaml.safe_dump({"data": {"name": "multi30k"}, "average": {"last_n": 5}}))
     (tmp_path / "metrics").mkdir()
-    (tmp_path / "metrics" / "eval.json").write_text(json.dumps({"test": {"bleu": 30.5, "signature": "nrefs:1"}}))
-    with tracking.stage_run("average", params) as run:
+    metrics = tmp_path / "metrics" / "eval.json"
+    monkeypatch.setenv("DVC_STAGE", "average")
+    with tracking.stage_run("average", stage_args_of(params)) as run:
         run.log_metrics({"averaged_checkpoints": 5})
-    with tracking.stage_run("evaluate", params) as run:
+    monkeypatch.setenv("DVC_STAGE", "evaluate")
+    with tracking.stage_run("evaluate", stage_args_of(params, metrics=metrics)) as run:
+        metrics.write_text(json.dumps({"test": {"bleu": 30.5, "signature": "nrefs:1"}}))
         run.log_metrics({"bleu": 30.5})
     runs = all_runs(uri)
     parents = [r for r in runs if "stage" not in r.data.tags]
@@ -103,7 +149,8 @@ def test_later_stages_join_the_same_parent_and_a_params_change_opens_another(tmp
     assert parents[0].data.tags["eval.test.signature"] == "nrefs:1"
 
     params.write_text(yaml.safe_dump({"data": {"name": "multi30k"}, "average": {"last_n": 3}}))
-    with tracking.stage_run("average", params):
+    monkeypatch.setenv("DVC_STAGE", "average")
+    with tracking.stage_run("average", stage_args_of(params)):
         pass
     assert len([r for r in all_runs(uri) if "stage" not in r.data.tags]) == 2
 
@@ -114,7 +161,7 @@ def test_a_failing_stage_marks_its_run_failed(tmp_path, monkeypatch):
     params = tmp_path / "params.yaml"
     params.write_text(yaml.safe_dump({"average": {"last_n": 5}}))
     with pytest.raises(RuntimeError, match="boom"):
-        with tracking.stage_run("average", params):
+        with tracking.stage_run("average", stage_args_of(params)):
             raise RuntimeError("boom")
     child = next(r for r in all_runs(uri) if r.data.tags.get("stage") == "average")
     assert child.info.status == "FAILED"
@@ -144,11 +191,12 @@ def test_a_server_answering_errors_turns_tracking_off_after_one_warning(tmp_path
         monkeypatch.setenv("MLFLOW_TRACKING_URI", server.base_url)
         params = tmp_path / "params.yaml"
         params.write_text(yaml.safe_dump({"average": {"last_n": 5}}))
-        with caplog.at_level(logging.WARNING), tracking.stage_run("average", params) as run:
+        with caplog.at_level(logging.WARNING), tracking.stage_run("average", stage_args_of(params)) as run:
             run.log_metrics({"x": 1.0})
             run.log_params({"a": 1})
         asked = len(server.requests)
-        with tracking.stage_run("evaluate", params) as run:  # off for the rest of the process: no more requests
+        # off for the rest of the process: no more requests
+        with tracking.stage_run("evaluate", stage_args_of(params)) as run:
             run.log_metrics({"y": 2.0})
         assert len(server.requests) == asked == 1
     assert len([r for r in caplog.records if r.levelno >= logging.WARNING]) == 1
@@ -164,7 +212,7 @@ def test_a_server_that_never_answers_costs_one_timeout(tmp_path, monkeypatch, ca
         params = tmp_path / "params.yaml"
         params.write_text(yaml.safe_dump({"average": {"last_n": 5}}))
         started = time.monotonic()
-        with caplog.at_level(logging.WARNING), tracking.stage_run("average", params) as run:
+        with caplog.at_level(logging.WARNING), tracking.stage_run("average", stage_args_of(params)) as run:
             for step in range(20):
                 run.log_metrics({"x": float(step)}, step=step)
         elapsed = time.monotonic() - started
@@ -178,3 +226,63 @@ def test_the_preset_tag_names_the_model_size_of_each_paper_preset():
     for experiment, size in (("multi30k_small", "small"), ("wmt14_en_de_base", "base"), ("wmt14_en_fr_big", "big")):
         assert tracking.model_size(compose([f"experiment={experiment}"])["model"]) == size
     assert tracking.model_size({"n_layers": 2, "d_model": 16}) == "custom"
+
+
+def test_a_stage_run_by_hand_gets_its_own_run_tagged_with_its_paths(tmp_path, monkeypatch):
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.chdir(tmp_path)
+    params = evaluate_params(tmp_path / "params.yaml")
+    translations, raw = write_split_files(tmp_path, HYPS, REFS)
+    (tmp_path / "other").mkdir()
+    other, _ = write_split_files(tmp_path / "other", REFS, REFS)
+    monkeypatch.setenv("DVC_STAGE", "evaluate")  # the pipeline's evaluate, as `dvc repro` runs it
+    evaluate.main(["--translations", str(translations), "--raw", str(raw), "--metrics", "metrics/eval.json",
+                   "--params", str(params)])
+    monkeypatch.delenv("DVC_STAGE")  # then by hand, on other translations, same commit and params
+    evaluate.main(["--translations", str(other), "--raw", str(raw), "--metrics", "other/eval.json",
+                   "--params", str(params)])
+
+    runs = all_runs(uri)
+    parent = next(r for r in runs if "pipeline_key" in r.data.tags)
+    assert [r.data.tags["stage"] for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id] \
+        == ["evaluate"]
+    assert parent.data.metrics["eval.bleu"] < 100  # the pipeline's translations, not the hand run's
+    by_hand = next(r for r in runs if r.data.tags.get("hand_run") == "true")
+    assert "mlflow.parentRunId" not in by_hand.data.tags and "pipeline_key" not in by_hand.data.tags
+    assert by_hand.info.run_name == "evaluate (by hand)" and by_hand.info.status == "FINISHED"
+    assert by_hand.data.tags["path.translations"] == str(other) and by_hand.data.metrics["bleu"] == 100.0
+    assert by_hand.data.tags["path.params"] == str(params)
+
+
+@pytest.fixture(scope="module")
+def killed_store(tmp_path_factory) -> str:
+    """One sqlite store for the signal tests (creating one costs seconds); each test finds its runs by params_hash."""
+    return f"sqlite:///{tmp_path_factory.mktemp('killed') / 'store.db'}"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_killed_stage_closes_its_run_and_its_parent_as_killed(tmp_path, sig, killed_store):
+    """A real train stage in a subprocess, run as `dvc repro` runs it, signalled once it has written a checkpoint."""
+    uri = killed_store
+    write_corpus(tmp_path)
+    params = write_params(tmp_path / "params.yaml", max_steps=100_000 + sig, log_every=1)
+    params_hash = hashlib.sha256(params.read_bytes()).hexdigest()
+    env = stage_env(MLFLOW_TRACKING_URI=uri, DVC_STAGE="train", DVC_ROOT=str(tmp_path), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "stages.train", *stage_args(tmp_path, params)], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not list((tmp_path / "checkpoints").glob("*.sha256")):
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            assert time.monotonic() < deadline, "no checkpoint after 120 s"
+            time.sleep(0.1)
+        assert {r.info.status for r in all_runs(uri) if r.data.tags["params_hash"] == params_hash} == {"RUNNING"}
+        os.kill(proc.pid, sig)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode != 0, stderr[-3000:]
+    runs = [r for r in all_runs(uri) if r.data.tags["params_hash"] == params_hash]
+    assert len(runs) == 2 and {r.info.status for r in runs} == {"KILLED"}, [(r.info.run_name, r.info.status)
+                                                                             for r in runs]

@@ -24,8 +24,9 @@ from model import loss as loss_lib
 from model.schedule import lrate
 from model.config import ModelConfig
 from model.transformer import Transformer
-from pipeline import distributed, peak
+from pipeline import distributed, peak, steps
 from pipeline.files import write_json
+from stages import batch as batch_stage
 from stages import train
 from pipeline.checkpoint import complete_checkpoints, load_checkpoint
 from pipeline.config import ParamsError
@@ -154,36 +155,36 @@ def test_batches_frame_sentences_with_eos_and_bos_and_pad_the_rest(tmp_path):
 
 
 def test_accumulation_keeps_tokens_per_step_whatever_the_devices():
-    assert distributed.grad_accumulation(25000, 3125, 8) == 1
-    assert distributed.grad_accumulation(25000, 3125, 1) == 8
-    assert distributed.grad_accumulation(25000, 3125, 2) == 4
-    assert distributed.grad_accumulation(25000, 3000, 8) == 2  # ceil: never fewer tokens than asked
-    assert distributed.grad_accumulation(100, 2500, 1) == 1
+    assert steps.grad_accumulation(25000, 3125, 8) == 1
+    assert steps.grad_accumulation(25000, 3125, 1) == 8
+    assert steps.grad_accumulation(25000, 3125, 2) == 4
+    assert steps.grad_accumulation(25000, 3000, 8) == 2  # ceil: never fewer tokens than asked
+    assert steps.grad_accumulation(100, 2500, 1) == 1
 
 
 def test_sharding_uses_every_batch_of_an_epoch_exactly_once():
     world, accum, num_batches = 8, 2, 37
-    order = distributed.epoch_order(num_batches, seed=1, epoch=0)
+    order = steps.epoch_order(num_batches, seed=1, epoch=0)
     assert sorted(order.tolist()) == list(range(num_batches))
-    assert not np.array_equal(order, distributed.epoch_order(num_batches, seed=1, epoch=1))  # reshuffled per epoch
+    assert not np.array_equal(order, steps.epoch_order(num_batches, seed=1, epoch=1))  # reshuffled per epoch
     seen, cursor = [], 0
     while cursor < num_batches:
         step = order[cursor : cursor + world * accum]
         cursor += len(step)
-        shares = [distributed.rank_share(step, r, world) for r in range(world)]
+        shares = [steps.rank_share(step, r, world) for r in range(world)]
         assert len({n for _, n in shares}) == 1  # every rank runs as many micro-batches
         assert all(len(mine) <= n for mine, n in shares)
         seen += [b for mine, _ in shares for b in mine]
     assert sorted(seen) == list(range(num_batches))
 
 
-def test_more_devices_than_processes_is_a_clear_error(tmp_path):
+def test_torchrun_starting_fewer_processes_than_devices_is_a_clear_error(tmp_path, monkeypatch):
     write_corpus(tmp_path)
     params = write_params(tmp_path / "params.yaml", devices=2)
-    with pytest.raises(ValueError, match=r"train\.devices=2.*torchrun"):
+    for name, value in (("WORLD_SIZE", "1"), ("RANK", "0"), ("LOCAL_RANK", "0")):  # `torchrun --nproc_per_node=1`
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ParamsError, match=r"train\.devices=2 but 1 process\(es\) were started"):
         train.main(stage_args(tmp_path, params))
-    with pytest.raises(ParamsError, match=r"params\.yaml: train\.keep_checkpoints must be at least 1"):
-        train.main(stage_args(tmp_path, write_params(tmp_path / "params.yaml", keep_checkpoints=0)))
     assert not (tmp_path / "metrics").exists() and not (tmp_path / "checkpoints").exists()
 
 
@@ -245,6 +246,23 @@ def test_a_run_faster_than_the_cached_peak_raises_it_and_reports_mfu_one(tmp_pat
     assert metrics["peak_flops_source"] == "achieved"
     assert metrics["peak_flops"] == pytest.approx(achieved) and metrics["mfu"] == pytest.approx(1.0)
     assert max(peak.read_cache(peak.cache_path()).values()) == pytest.approx(achieved)
+
+
+def test_train_json_records_the_real_tokens_per_step_that_batch_json_foretold(tmp_path):
+    """Both stages report real source / target tokens per step (Sec. 5.1's ~25000 each); over one epoch they agree."""
+    write_corpus(tmp_path, n_train=60)
+    params = write_params(tmp_path / "params.yaml", max_steps=1, checkpoint_every=0)  # 48 tokens a step: 2 batches
+    batch_stage.main(["--tokenized", str(tmp_path / "tokenized"), "--out", str(tmp_path / "batches"),
+                "--metrics", str(tmp_path / "batch.json"), "--params", str(params)])
+    foretold = json.loads((tmp_path / "batch.json").read_text())
+    assert foretold["batches_per_step"] == 2
+    one_epoch = math.ceil(foretold["num_batches"] / 2)
+    metrics = run_stage(tmp_path, write_params(tmp_path / "params.yaml", max_steps=one_epoch, checkpoint_every=0))
+    assert metrics["steps"] == one_epoch and metrics["epochs"] == 1
+    keys = [f"{side}_tokens_per_step_{stat}" for side in ("src", "tgt") for stat in ("mean", "min", "max")]
+    assert {k: metrics[k] for k in keys} == pytest.approx({k: foretold[k] for k in keys})
+    assert metrics["tgt_tokens_per_step_mean"] * one_epoch == metrics["train_tokens"]
+    assert metrics["src_tokens_per_step_min"] < metrics["src_tokens_per_step_max"]
 
 
 def test_two_runs_of_the_same_params_give_identical_weights(tmp_path):
@@ -373,7 +391,8 @@ def test_eight_processes_share_every_batch_once_agree_and_only_rank_0_writes(tmp
     trace_dir = tmp_path / "trace"
     trace_dir.mkdir()
     db = tmp_path / "mlflow.db"
-    out = torchrun(tmp_path, params, 8, STAGES_TRAIN_TRACE=str(trace_dir), MLFLOW_TRACKING_URI=f"sqlite:///{db}")
+    out = torchrun(tmp_path, params, 8, STAGES_TRAIN_TRACE=str(trace_dir), MLFLOW_TRACKING_URI=f"sqlite:///{db}",
+                   DVC_STAGE="train", DVC_ROOT=str(tmp_path))  # as `dvc repro` runs it: a child of a pipeline run
     assert out.returncode == 0, out.stderr[-3000:]
     num_batches = len(load_batches(tmp_path / "batches", "train"))
     traces = [[json.loads(line) for line in (trace_dir / f"rank{r}.jsonl").read_text().splitlines()] for r in range(8)]

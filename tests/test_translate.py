@@ -110,6 +110,19 @@ def test_stdin_mode_prints_one_translation_per_piped_line(tmp_path, setup):
     assert done.stdout.split("\n") == expected + [""]
 
 
+def test_an_empty_source_line_gives_an_empty_line_in_the_files_and_on_stdin(tmp_path, setup):
+    """A beam search over EOS alone would emit words; the module keeps empty lines empty instead."""
+    empty = TEST_EN.index("")
+    lines = (run_main(tmp_path, setup) / "test.de").read_text(encoding="utf-8").split("\n")
+    assert lines[empty] == "" and all(lines[i] for i in range(len(TEST_EN)) if i != empty)
+    piped = ["A man rides a bike.", "", "   ", "A girl."]
+    done = subprocess.run(stdin_command(tmp_path, setup), input="\n".join(piped) + "\n", cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout.split("\n")
+    assert out[1] == out[2] == "" and out[0] and out[3] and out[4:] == [""]
+
+
 def test_stdin_mode_answers_each_line_before_the_next_arrives(tmp_path, setup):
     proc = subprocess.Popen(stdin_command(tmp_path, setup), cwd=ROOT, stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1)

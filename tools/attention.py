@@ -29,7 +29,7 @@ from pipeline.config import TranslateConfig
 from pipeline.checkpoint import load_model
 from pipeline.formats import BOS_ID, EOS_ID, Ragged, load_spm, load_split, read_meta
 from pipeline.files import atomic_dir, write_bytes
-from stages.translate import check_config, translate_ids
+from stages.translate import translate_ids
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,6 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     cli.setup_logging()
     cfg = config.load(args.params, "translate", TranslateConfig)
-    check_config(cfg, args.params)
     model = load_model(args.model, torch.device("cpu"))
     sp = load_spm(args.tokenized, model.embedding.num_embeddings)
     src_lang = read_meta(args.tokenized)["src_lang"]
@@ -111,4 +110,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

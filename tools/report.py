@@ -6,8 +6,9 @@ Not a DVC stage: it reads every pipeline run in the MLflow store (the tracking
 URI of pipeline.tracking unless given) and writes
 
     reports/report.md            one row per run: preset, the params that differ
-                                 between runs, BLEU both ways, training FLOPs three
-                                 ways, hours, devices; then the paper's rows
+                                 between runs, the model scored, BLEU both ways,
+                                 training FLOPs three ways, hours, devices; then
+                                 the paper's rows
     reports/bleu_vs_flops.png    BLEU against training FLOPs (log x), ours and the paper's
 
 Where the numbers live (pipeline/tracking.py): a pipeline run is a parent run
@@ -15,6 +16,10 @@ tagged `pipeline_key` (and preset, git_commit, dvc_exp_name); its metrics are
 the DVC metrics files as `<file stem>.<key>` (eval.bleu, train.flops_analytic...),
 their strings as tags (train.device, eval.signature); the params are on its
 child runs, one per stage, under their params.yaml names (model.d_model...).
+Only a pipeline run's own records are there (pipeline/lineage.py); runs by hand
+(tag hand_run) are not pipeline runs and are left out. The `model` column is the
+trained weights' params_hash (train.params_hash: model, train params, data); a
+row shows BLEU and chrF only beside the model they came from.
 
 Training FLOPs three ways:
     counted      train.flops_analytic: the model's matmul FLOPs x 3 over every token trained on
@@ -46,6 +51,8 @@ PAPER_TABLE2 = [
     ("Transformer (big)", "EN-FR", 41.0, 2.3e19),
 ]
 HIDDEN_PARAMS = {"params.params_hash", "params.device"}  # always differ, or shown in their own column
+MODEL = "tags.train.params_hash"  # the checkpoints' params_hash, from metrics/train.json
+SCORES = ("BLEU (sacreBLEU)", "BLEU (tokenized, as the paper)", "chrF")  # shown only beside their MODEL
 COLUMNS = {  # report column -> (parent run column, format)
     "BLEU (sacreBLEU)": ("metrics.eval.bleu", "{:.2f}"),
     "BLEU (tokenized, as the paper)": ("metrics.eval.bleu_tokenized", "{:.2f}"),
@@ -107,7 +114,10 @@ def report_table(runs: pd.DataFrame) -> pd.DataFrame:
         row = {"run": fmt(run.get("tags.mlflow.runName")), "preset": fmt(run.get("tags.preset")),
                "commit": fmt(run.get("tags.git_commit"))[:8]}
         row |= {c.removeprefix("params."): fmt(run.get(c)) for c in differing_params(runs)}
-        row |= {label: fmt(run.get(source), pattern) for label, (source, pattern) in COLUMNS.items()}
+        model = fmt(run.get(MODEL))[:8]
+        row["model"] = model
+        row |= {label: "-" if label in SCORES and model == "-" else fmt(run.get(source), pattern)
+                for label, (source, pattern) in COLUMNS.items()}
         row["device"] = device(run)
         rows.append(row)
     return pd.DataFrame(rows)
@@ -124,7 +134,7 @@ def render_markdown(runs: pd.DataFrame, uri: str) -> str:
     lines = [
         "# Runs", "",
         f"{len(runs)} pipeline run(s) from `{uri}`, oldest first. Params columns are those that differ "
-        "between runs. FLOPs: counted = model FLOPs over the tokens trained on; paper's way = hours x devices x "
+        "between runs. model: the trained weights' params_hash; BLEU and chrF are shown only beside it. FLOPs: counted = model FLOPs over the tokens trained on; paper's way = hours x devices x "
         "sustained fp32 TFLOPS (Sec. 6.1); at peak = hours x devices x the device's peak.", "",
         report_table(runs).to_markdown(index=False, disable_numparse=True), "",
         "sacreBLEU signature(s): " + (", ".join(f"`{s}`" for s in signatures) or "-"), "",
@@ -150,7 +160,8 @@ def plot_bleu_vs_flops(runs: pd.DataFrame) -> bytes:
     bleu = column(runs, "metrics.eval.bleu_tokenized").astype(float)
     paper_way = column(runs, "metrics.train.flops_paper_estimate").astype(float)
     counted = column(runs, "metrics.train.flops_analytic").astype(float)
-    shown = [run_id for run_id in runs.index if bleu[run_id] > 0 and paper_way[run_id] > 0]
+    scored = column(runs, MODEL).notna()
+    shown = [run_id for run_id in runs.index if scored[run_id] and bleu[run_id] > 0 and paper_way[run_id] > 0]
     for i, run_id in enumerate(shown):
         run, color = runs.loc[run_id], f"C{i % 10}"
         ax.plot(paper_way[run_id], bleu[run_id], "o", color=color, markersize=8,
@@ -179,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tracking-uri", help="default: $MLFLOW_TRACKING_URI, else mlflow.db in the repo root")
     args = parser.parse_args(argv)
     cli.setup_logging()
-    uri = args.tracking_uri or tracking.tracking_uri(Path("params.yaml"))
+    uri = args.tracking_uri or tracking.tracking_uri()
     runs = load_runs(uri)
     write_text(args.out / "report.md", render_markdown(runs, uri))
     write_bytes(args.out / "bleu_vs_flops.png", plot_bleu_vs_flops(runs))
@@ -187,4 +198,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

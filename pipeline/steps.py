@@ -1,0 +1,56 @@
+"""How stored batches make optimizer steps: gradient accumulation, each epoch's order, each rank's share,
+and the real tokens a step holds.
+
+A step is train.devices x grad_accumulation() stored batches, taken in the epoch's
+shuffled order (the last step of an epoch takes what is left); rank r trains on
+every devices-th of them. numpy only: the batch stage uses it to report what the
+train stage will run, and the trainer to run it.
+
+Sec. 5.1: "Each training batch contained a set of sentence pairs containing
+approximately 25000 source tokens and 25000 target tokens." Those are real
+tokens; batch.max_tokens caps *padded* tokens (n x the longest side of the
+longest pair), so both stages record the real figure per step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def grad_accumulation(tokens_per_step: int, max_tokens: int, devices: int) -> int:
+    """Micro-batches per device per step: ceil(tokens_per_step / (max_tokens x devices)).
+
+    tokens_per_step is in batch.max_tokens' units (padded tokens): each of
+    `devices` processes accumulates this many batches before the update, so a
+    step holds as many batches however many devices run (users change only
+    train.devices; the accumulation follows).
+    """
+    return max(1, math.ceil(tokens_per_step / (max_tokens * devices)))
+
+
+def epoch_order(num_batches: int, seed: int, epoch: int) -> np.ndarray:
+    """The shuffled batch order of one epoch; the same in every process (seeded by seed + epoch)."""
+    return np.random.default_rng(seed + epoch).permutation(num_batches)
+
+
+def rank_share(step_batches: np.ndarray, rank: int, world: int) -> tuple[list[int], int]:
+    """This rank's batches of one step (every world-th, from `rank`) and the micro-batch count all ranks run.
+
+    At an epoch's tail the step holds fewer than world x accumulation batches;
+    ranks left short run zero-weighted micro-batches so every rank joins every
+    gradient all-reduce.
+    """
+    return [int(b) for b in step_batches[rank::world]], math.ceil(len(step_batches) / world)
+
+
+def epoch_step_tokens(per_batch: np.ndarray, order: np.ndarray, batches_per_step: int) -> np.ndarray:
+    """Tokens of each step of one epoch: `per_batch` summed over runs of `batches_per_step` batches of `order`."""
+    return np.add.reduceat(per_batch[order], np.arange(0, len(order), batches_per_step))
+
+
+def per_step_metrics(side: str, total: int, steps: int, least: int, most: int) -> dict[str, float]:
+    """{side}_tokens_per_step_{mean,min,max}: real tokens (with EOS / BOS) of one optimizer step, all devices."""
+    return {f"{side}_tokens_per_step_mean": total / max(steps, 1), f"{side}_tokens_per_step_min": least,
+            f"{side}_tokens_per_step_max": most}

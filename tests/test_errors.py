@@ -1,0 +1,145 @@
+"""What a user sees when a stage fails: one line naming what to fix, its exit status, and no traceback unless asked.
+
+The commands are run as DVC runs them (dvc.yaml's, in a subprocess); Ctrl-C is a real SIGINT to the process group.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline import cli
+from pipeline.config import ParamsError, compose
+from pipeline.files import OutputError, atomic_dir
+from tests.train_fixtures import ROOT, stage_env, write_corpus, write_params
+
+
+def dvc_command(stage: str, cwd: Path) -> list[str]:
+    """The stage's command as dvc.yaml writes it, its ${section.key} interpolated from cwd/params.yaml."""
+    params = yaml.safe_load((cwd / "params.yaml").read_text())
+    cmd = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"][stage]["cmd"]
+    return shlex.split(re.sub(r"\$\{(\w+)\.(\w+)\}", lambda m: str(params[m[1]][m[2]]), cmd))
+
+
+def training_setup(tmp_path: Path, **train) -> Path:
+    """tmp_path/data/{tokenized,batches} and tmp_path/params.yaml for the train stage's dvc.yaml command."""
+    write_corpus(tmp_path / "data")
+    write_params(tmp_path / "params.yaml", **train)
+    return tmp_path
+
+
+def one_core() -> None:
+    """In the child: one core (torch on a busy machine's two slows to a crawl), and Ctrl-C as at a terminal."""
+    os.sched_setaffinity(0, {max(os.sched_getaffinity(0))})
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # a background shell may have started pytest ignoring it
+
+
+def run(cmd: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=cwd, env=stage_env(**env), capture_output=True, text=True, timeout=300,
+                          preexec_fn=one_core)
+
+
+# --- one line, exit status 2 -----------------------------------------------------------------------------------
+
+
+def test_a_missing_input_is_named_as_missing_in_one_line(tmp_path):
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(compose([])))
+    out = run(dvc_command("batch", tmp_path), tmp_path)
+    assert out.returncode == 2
+    *before, last = out.stderr.splitlines()  # before: MLflow's "Creating initial MLflow database tables", once
+    assert last == "batch: error: data/tokenized/meta.json: missing; run the tokenize stage first"
+    assert not [line for line in before if "error" in line.lower() or "Traceback" in line]
+    assert not (tmp_path / "data").exists() or list((tmp_path / "data").iterdir()) == []
+
+
+def test_the_traceback_is_shown_when_asked_for(tmp_path):
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(compose([])))
+    out = run(dvc_command("batch", tmp_path), tmp_path, **{cli.TRACEBACK_ENV: "1"})
+    assert out.returncode == 1
+    assert "Traceback (most recent call last)" in out.stderr
+    assert out.stderr.rstrip().endswith("InputError: data/tokenized/meta.json: missing; run the tokenize stage first")
+
+
+def test_an_unexpected_error_keeps_its_traceback_and_an_expected_one_is_one_line(capsys):
+    def main() -> None:
+        raise RuntimeError("a bug")
+
+    with pytest.raises(RuntimeError, match="a bug"):
+        cli.run(main)
+
+    def bad_params() -> None:
+        raise ParamsError("params.yaml: train.max_steps = 0: expected an integer in [1, inf)")
+
+    with pytest.raises(SystemExit) as exited:
+        cli.run(bad_params)
+    assert exited.value.code == 2
+    assert capsys.readouterr().err == "test_errors: error: params.yaml: train.max_steps = 0: expected an integer in [1, inf)\n"
+
+
+def test_an_input_that_cannot_be_read_is_not_reported_as_a_failed_write(tmp_path):
+    with pytest.raises(FileNotFoundError) as failure, atomic_dir(tmp_path / "out") as tmp:
+        (tmp / "a").write_text("partial")
+        (tmp_path / "missing.txt").read_text()
+    assert not isinstance(failure.value, OutputError) and failure.value.filename == str(tmp_path / "missing.txt")
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(OutputError, match=r"could not write .*out: Is a directory"), atomic_dir(tmp_path / "out") as tmp:
+        (tmp / "a").mkdir()
+        (tmp / "a").write_text("x")
+
+
+# --- the train stage, one or several processes --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_a_bad_train_param_is_the_only_line_the_train_command_prints(tmp_path, devices):
+    """`dvc exp run -S train.max_minutes=abc`: torchrun's report used to bury the message 20 lines up."""
+    training_setup(tmp_path, devices=devices, max_minutes="abc")
+    out = run(dvc_command("train", tmp_path), tmp_path)
+    assert out.returncode == 2
+    assert out.stderr == "train: error: params.yaml: train.max_minutes: expected float, got str 'abc'\n"
+
+
+def test_a_failure_inside_one_of_two_training_processes_ends_with_its_message(tmp_path):
+    """A checkpoint only rank 0 reads is broken: rank 1 crashes on the lost connection; the last line is rank 0's."""
+    training_setup(tmp_path, devices=2, max_steps=4)
+    garbage = tmp_path / "data" / "checkpoints" / "step_00000002.pt"
+    garbage.parent.mkdir()
+    garbage.write_bytes(b"not a checkpoint")
+    garbage.with_name(garbage.name + ".sha256").write_text(f"{hashlib.sha256(b'not a checkpoint').hexdigest()}  x\n")
+    out = run(dvc_command("train", tmp_path), tmp_path)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert out.stderr.splitlines()[-1].startswith(
+        "train: error: data/checkpoints/step_00000002.pt: cannot load checkpoint: weights only load failed"), out.stderr
+    assert "ChildFailedError" not in out.stderr
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_ctrl_c_while_training_says_where_it_stopped_and_how_to_resume(tmp_path, devices):
+    training_setup(tmp_path, devices=devices, max_steps=1_000_000, checkpoint_every=20, eval_every=0, log_every=50)
+    with open(tmp_path / "stderr.txt", "w") as err:
+        proc = subprocess.Popen(dvc_command("train", tmp_path), cwd=tmp_path, env=stage_env(), stdout=subprocess.DEVNULL,
+                                stderr=err, start_new_session=True, preexec_fn=one_core)
+        deadline = time.monotonic() + 240
+        while not list((tmp_path / "data" / "checkpoints").glob("*.sha256")) and time.monotonic() < deadline:
+            assert proc.poll() is None, (tmp_path / "stderr.txt").read_text()[-3000:]
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C at a terminal does
+        assert proc.wait(timeout=120) == 130
+    stderr = (tmp_path / "stderr.txt").read_text()
+    last = stderr.splitlines()[-1]
+    match = re.fullmatch(r"train: interrupted: stopped at step (\d+); the same command \(or `dvc repro`\) resumes "
+                         r"from the newest checkpoint, step (\d+)", last)
+    assert match, stderr[-3000:]
+    assert (tmp_path / "data" / "checkpoints" / f"step_{int(match[2]):08d}.pt.sha256").exists()
+    assert int(match[2]) <= int(match[1])
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr

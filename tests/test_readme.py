@@ -1,0 +1,138 @@
+"""The README's commands run as written: make targets, modules, and the DVC commands, in a real temporary repo."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import shutil
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.http_fixtures import FileServer
+from tests.pipeline_fixtures import VENV_BIN, dvc, dvc_run, git_commit, make_repo, tiny_params, use_preset, write_corpus
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+MAKEFILE = (ROOT / "Makefile").read_text(encoding="utf-8")
+
+
+def readme_command(starts: str) -> str:
+    """The one command line of the README that starts with `starts` (in a code block or inline)."""
+    (line,) = {m.strip() for m in re.findall(rf"(?:^\s*|`)({re.escape(starts)}[^`\n#]*)", README, re.M)}
+    return line
+
+
+def brace_expand(pattern: str) -> set[str]:
+    """`a/{x,y}.{1,2}` -> {a/x.1, a/x.2, a/y.1, a/y.2}."""
+    parts = re.split(r"\{([^}]*)\}", pattern)
+    choices = [[p] if i % 2 == 0 else p.split(",") for i, p in enumerate(parts)]
+    return {"".join(c) for c in itertools.product(*choices)}
+
+
+# --- fast: what the README names exists -------------------------------------------------------------------------
+
+
+def test_every_make_target_the_readme_names_is_a_phony_target():
+    targets = set(re.findall(r"\bmake (\w+)", README))
+    phony = set(re.search(r"^\.PHONY:(.*)$", MAKEFILE, re.M)[1].split())
+    defined = set(re.findall(r"^(\w+):", MAKEFILE, re.M))
+    assert targets and targets <= defined and targets <= phony, (targets - defined, targets - phony)
+
+
+def test_every_module_the_readme_runs_exists():
+    modules = set(re.findall(r"python -m ((?:stages|pipeline|tools|bench)\.\w+)", README))
+    assert modules and [m for m in modules if not (ROOT / f"{m.replace('.', '/')}.py").is_file()] == []
+
+
+def test_make_bench_runs_what_the_readme_says():
+    recipe = MAKEFILE.split("\nbench:", 1)[1].split("\n\n", 1)[0]
+    ran = re.findall(r"-m (bench\.\w+)", recipe)
+    said = re.search(r"`make bench` runs ([^;]*);", README, re.S)[1]
+    assert ran and all(f"`{m}`" in said.split("(all but")[0] for m in ran), said
+    left_out = re.findall(r"`(bench\.\w+)`", said.split("(all but")[1])
+    assert left_out and not set(left_out) & set(ran)
+
+
+def test_the_mirror_example_runs_from_any_directory():
+    """A user's clone sits beside no `shared/` folder: the example gives an absolute path."""
+    examples = re.findall(r"CORPUS_MIRROR=(\S+) make run", README)
+    assert examples and all(e.startswith("/") for e in examples), examples
+
+
+def test_every_command_line_the_readme_shows_needs_only_the_venv_it_says_to_activate():
+    assert "source .venv/bin/activate" in README.split("## The pipeline")[0]
+
+
+# --- slow: the DVC commands in a real repo ----------------------------------------------------------------------
+
+
+def fresh_shell(repo: Path, command: str) -> subprocess.CompletedProcess:
+    """`command` in a new bash, as a user runs it after `source .venv/bin/activate` (the venv first on PATH)."""
+    env = {"HOME": os.environ.get("HOME", "/tmp"), "PATH": f"{VENV_BIN}{os.pathsep}/usr/local/bin:/usr/bin:/bin",
+           "DVC_NO_ANALYTICS": "1", "COLUMNS": "80", "MLFLOW_TRACKING_URI": os.environ["MLFLOW_TRACKING_URI"],
+           "OMP_NUM_THREADS": "1"}
+    return subprocess.run(["bash", "-c", command], cwd=repo, env=env, capture_output=True, text=True, timeout=900)
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_readme_commands_compare_experiments_and_undo_failed_runs(tmp_path):
+    repo = make_repo(tmp_path / "repo")
+    (repo / ".gitignore").write_text("/data/.cache/\n/mlflow.db\n")
+    (tmp_path / "www").mkdir()
+    with FileServer(tmp_path / "www") as files:
+        params = tiny_params(write_corpus(tmp_path / "www", files, {"train": 200, "valid": 10, "test": 10}),
+                             max_steps=6, warmup_steps=2, eval_every=3, log_every=3, checkpoint_every=3,
+                             keep_checkpoints=2)
+        params["average"]["last_n"] = 1
+        params["translate"]["max_len_b"] = 3
+        use_preset(repo, params)
+        unreachable = yaml.safe_load(yaml.safe_dump(params))  # a preset whose data cannot be had
+        for split in ("train", "valid", "test"):
+            for side in ("src", "tgt"):
+                unreachable["data"][split][0][side]["url"] = f"http://127.0.0.1:{closed_port()}/{split}.{side}"
+        (repo / "conf" / "experiment" / "unreachable.yaml").write_text(
+            "# @package _global_\n" + yaml.safe_dump(unreachable, sort_keys=False))
+        git_commit(repo, "tiny preset")
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        dvc(repo, "exp", "run", "-n", "beam2", "-S", "translate.beam_size=2", env=env)
+        dvc(repo, "exp", "run", "-n", "beam1", "-S", "translate.beam_size=1", env=env)
+
+        raw = {str(p.relative_to(repo)) for p in (repo / "data" / "raw").iterdir()}
+        assert raw == brace_expand(re.search(r"`(data/raw/\{[^`]*)`", README)[1])
+        translations = {str(p.relative_to(repo)) for p in (repo / "data" / "translations").iterdir()}
+        assert translations == brace_expand(re.search(r"`(data/translations/\{[^`]*)`", README)[1])
+
+        shown = fresh_shell(repo, readme_command("dvc exp show"))
+        assert shown.returncode == 0, shown.stderr
+        header, _, *rows = shown.stdout.strip().splitlines()
+        assert [c.strip() for c in header.strip("|").split("|")] == [
+            "Experiment", "flops_analytic", "valid_ppl", "bleu", "bleu_tokenized", "translate.beam_size"]
+        beams = {re.search(r"\[(\w+)\]", r)[1]: r.strip("|").split("|")[-1].strip() for r in rows if "[" in r}
+        assert beams == {"beam1": "1", "beam2": "2"}
+        assert "…" not in shown.stdout and "..." not in shown.stdout
+
+        git_commit(repo, "beam 1: the result kept")  # params.yaml, dvc.lock and the metrics, as a user commits them
+        undo = readme_command("git checkout params.yaml")
+        for override, stage in (("translate.beam_size=0", "translate"), ("experiment=unreachable", "download")):
+            failed = dvc_run(repo, "exp", "run", "-S", override, env=env)
+            assert failed.returncode != 0
+            said = [line for line in (failed.stdout + failed.stderr).splitlines() if line.startswith(f"{stage}: ")]
+            assert len(said) == 1 and said[0].startswith(f"{stage}: error: "), failed.stdout + failed.stderr
+            assert "Traceback" not in failed.stdout + failed.stderr
+            assert subprocess.run(["git", "diff", "--quiet", "params.yaml"], cwd=repo).returncode == 1  # DVC kept it
+            back = fresh_shell(repo, undo)
+            assert back.returncode == 0, back.stderr
+            assert "up to date" in dvc(repo, "status", env=env), override
+        assert "cannot get 6 of 6 file(s), so nothing was downloaded" in said[0]
+        assert {str(p.relative_to(repo)) for p in (repo / "data" / "raw").iterdir()} == raw
+    shutil.rmtree(repo / "data" / ".cache", ignore_errors=True)
