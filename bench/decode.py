@@ -1,6 +1,7 @@
 """Decoding speed: what the translate stage runs against the same search recomputing the whole prefix each step.
 
-    python -m bench.decode [--model data/model --tokenized data/tokenized] [--sentences N] [--rounds 2] [--threads N]
+    python -m bench.decode [--model data/model --tokenized data/tokenized [--raw data/raw]] [--sentences N]
+                           [--rounds 2] [--threads N]
 
 Both sides call stages.translate.translate_ids, the translate stage's own
 function, with the preset's `translate` params (beam 4, alpha 0.6, max length
@@ -12,7 +13,9 @@ alike; each side's best round is reported as sentences/s, with the ratio and
 whether both found the same tokens.
 
 Data: with --model and --tokenized, the trained model and the test split
-(Multi30k test2016: 1000 sentences) when both exist. Otherwise the default
+(Multi30k test2016: 1000 sentences) when both exist; with --raw too, each
+side's sacreBLEU against the test references (as the evaluate stage scores
+it). Otherwise the default
 preset's model (`pipeline.config.compose([])`), randomly initialised, on
 random Multi30k-like sources of 8 to 30 tokens. An untrained model almost
 never emits EOS, so every sentence would run to its maximum length (source +
@@ -37,14 +40,16 @@ from typing import Sequence
 
 import numpy as np
 import torch
+from sacrebleu.metrics import BLEU
 from torch import Tensor, nn
 
 from model.config import ModelConfig
 from model.transformer import DecoderState, Transformer
 from pipeline.checkpoint import load_model
 from pipeline.config import TranslateConfig, compose, parse
-from pipeline.formats import EOS_ID, load_split, read_meta
-from stages.translate import translate_ids
+from pipeline.formats import EOS_ID, load_spm, load_split, read_meta
+from stages.evaluate import printed, read_lines
+from stages.translate import detokenize, translate_ids
 
 log = logging.getLogger("bench.decode")
 
@@ -118,6 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, help="a trained model (the average stage's output)")
     parser.add_argument("--tokenized", type=Path, help="the tokenize stage's output: its test split is decoded")
+    parser.add_argument("--raw", type=Path, help="the download stage's output: BLEU against its test references")
     parser.add_argument("--sentences", type=int, default=0, help="decode only the first N sources (0: all; random: 100)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--slope", type=float, default=2.0, help="random model: EOS logit bias per position past S")
@@ -159,6 +165,11 @@ def main(argv: list[str] | None = None) -> None:
     print(f"cached (translate stage): {n / cached:8.1f} sentences/s ({cached:.2f} s, best of {args.rounds})")
     print(f"recompute the prefix:     {n / uncached:8.1f} sentences/s ({uncached:.2f} s)")
     print(f"speedup: {uncached / cached:.2f}x; identical tokens: {outputs[True] == outputs[False]}")
+    if found and args.raw:
+        sp, lang = load_spm(args.tokenized, model.embedding.num_embeddings), read_meta(args.tokenized)["tgt_lang"]
+        refs = read_lines(args.raw / f"test.{lang}")[:n]
+        bleu = [printed(BLEU().corpus_score(detokenize(sp, outputs[c]), [refs])) for c in (True, False)]
+        print(f"sacreBLEU (test.{lang}): cached {bleu[0]}, recompute {bleu[1]}")
 
 
 if __name__ == "__main__":

@@ -72,12 +72,18 @@ class MultiHeadAttention(nn.Module):
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
         """softmax(Q K^T / sqrt(d_k)) V over heads, then W^O. q [B,H,T,d_k] -> [B, T, D]."""
-        if q.shape[2] == 1 and mask is None:  # one query (decoding): two products beat the fused kernel on CPUs
-            out = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(self.d_k), dim=-1) @ v
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+        return self.merge(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal))
+
+    def attend_products(self, q: Tensor, k_t: Tensor, v: Tensor, bias: Tensor | None = None) -> Tensor:
+        """softmax(Q K^T / sqrt(d_k) + bias) V as two products, which beat the fused kernel on CPUs for the few
+        queries of a decoding step. q [B,H,T,d_k], k_t = K^T [B,H,d_k,S], bias [B,1,1,S] or None -> [B,H,T,d_v]."""
+        scores = q @ k_t / math.sqrt(self.d_k)
+        return torch.softmax(scores if bias is None else scores + bias, dim=-1) @ v
+
+    def merge(self, out: Tensor) -> Tensor:
+        """W^O over the concatenated heads: [B, H, T, d_v] -> [B, T, D]."""
         B, _, T, _ = out.shape
-        return self.w_o(out.transpose(1, 2).reshape(B, T, self.n_heads * self.d_v))  # [B,H,T,d_v] -> [B,T,H*d_v]
+        return self.w_o(out.transpose(1, 2).reshape(B, T, self.n_heads * self.d_v))
 
     def forward(self, x: Tensor, mask: Tensor | None, causal: bool = False, memory: Tensor | None = None) -> Tensor:
         """Self-attention over `x` ([B, L, D]), or cross-attention from `x` to `memory` ([B, S, D])."""
@@ -164,16 +170,17 @@ class DecoderLayer(nn.Module):
         t = state.position
         cache.grow(t + 1)
         cache.self_k[t], cache.self_v[t] = k[:, :, 0], v[:, :, 0]
-        past_k = cache.self_k[: t + 1].permute(1, 2, 0, 3)  # [t+1, R, H, d_k] -> [R, H, t+1, d_k]
-        past_v = cache.self_v[: t + 1].permute(1, 2, 0, 3)
-        y = self.norm_1(y + self.dropout(self.self_attn.attend(q, past_k, past_v, None, causal=False)))
+        past_k_t = cache.self_k[: t + 1].permute(1, 2, 3, 0)  # [t+1, R, H, d_k] -> [R, H, d_k, t+1]
+        past_v = cache.self_v[: t + 1].permute(1, 2, 0, 3)  # [R, H, t+1, d_v]
+        y = self.norm_1(y + self.dropout(self.self_attn.merge(self.self_attn.attend_products(q, past_k_t, past_v))))
         # The beams of a sentence share its one copy of the encoder keys and values: their queries go into
         # a [N x K] grid of (sentence, beam) slots and attend as K query positions of that sentence.
         N, K = state.src_bias.shape[0], state.beams
-        grid = y.new_zeros(N * K, y.shape[-1]).index_copy_(0, state.slots, y[:, 0]).view(N, K, -1)  # [N, K, D]
-        q = self.cross_attn.project_q(grid)  # [N, H, K, d_k]
-        out = self.cross_attn.attend(q, cache.cross_k, cache.cross_v, state.src_bias, causal=False)  # [N, K, D]
-        y = self.norm_2(y + self.dropout(out.view(N * K, 1, -1).index_select(0, state.slots)))
+        q = self.cross_attn.project_q(y)[:, :, 0]  # [R, H, d_k]
+        grid = q.new_zeros(N * K, *q.shape[1:]).index_copy_(0, state.slots, q).view(N, K, *q.shape[1:])
+        out = self.cross_attn.attend_products(grid.transpose(1, 2), cache.cross_k_t, cache.cross_v, state.src_bias)
+        out = out.transpose(1, 2).reshape(N * K, 1, -1).index_select(0, state.slots)  # [N, H, K, d_v] -> [R, 1, H*d_v]
+        y = self.norm_2(y + self.dropout(self.cross_attn.w_o(out)))
         return self.norm_3(y + self.dropout(self.ffn(y)))
 
 
@@ -184,7 +191,7 @@ class LayerCache:
 
     self_k: Tensor  # [T, R, H, d_k], positions < DecoderState.position filled; T may be larger
     self_v: Tensor  # [T, R, H, d_v]
-    cross_k: Tensor  # [N, H, S, d_k]
+    cross_k_t: Tensor  # [N, H, d_k, S]: keys transposed once, for every step's Q K^T
     cross_v: Tensor  # [N, H, S, d_v]
 
     def grow(self, length: int) -> None:
@@ -221,7 +228,7 @@ class DecoderState:
         all), new row i in grid slot slots[i] of the kept sentences (e.g. to follow beams, drop finished ones)."""
         t = self.position
         keep = (lambda x: x) if sentences is None else (lambda x: x.index_select(0, sentences))
-        layers = [LayerCache(_follow(c.self_k, rows, t), _follow(c.self_v, rows, t), keep(c.cross_k), keep(c.cross_v))
+        layers = [LayerCache(_follow(c.self_k, rows, t), _follow(c.self_v, rows, t), keep(c.cross_k_t), keep(c.cross_v))
                   for c in self.layers]
         return DecoderState(layers, keep(self.src_bias), slots, self.beams, t)
 
@@ -335,7 +342,7 @@ class Transformer(nn.Module):
             H = k.shape[1]
             empty_k = k.new_empty(1, B, H, layer.self_attn.d_k)  # room for the first position
             empty_v = v.new_empty(1, B, H, layer.self_attn.d_v)
-            layers.append(LayerCache(empty_k, empty_v, k, v))
+            layers.append(LayerCache(empty_k, empty_v, k.transpose(-1, -2).contiguous(), v.contiguous()))
         slots = torch.arange(B, device=memory.device) * beams
         src_bias = torch.zeros(src_mask.shape, dtype=memory.dtype, device=memory.device).masked_fill(~src_mask, float("-inf"))
         return DecoderState(layers, src_bias, slots, beams, 0)
