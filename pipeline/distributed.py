@@ -1,4 +1,4 @@
-"""Data-parallel plumbing for the train stage: processes, devices and their peak (which batches: pipeline/steps.py).
+"""Data-parallel plumbing for the train stage: processes, devices (their peak: pipeline/peak.py; which batches: pipeline/steps.py).
 
 torchrun sets RANK, WORLD_SIZE and LOCAL_RANK; without them (plain `python -m
 stages.train`) there is one process and no process group at all. GPUs: one per
@@ -7,17 +7,14 @@ process, NCCL. CPUs: `train.devices` gloo processes sharing the cores.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from model import flops as flops_lib
 from pipeline.config import ParamsError
 
 log = logging.getLogger(__name__)
@@ -136,37 +133,3 @@ def gather_objects(obj: object, ctx: Dist) -> list:
     out: list = [None] * ctx.world
     dist.all_gather_object(out, obj)
     return out
-
-
-# --- the device's peak, for MFU and the paper's cost estimate ---------------------------------
-
-
-def measured_peak(dtype: torch.dtype, device: torch.device) -> float:
-    """The matmul peak measured here, without moving the training RNG (exact resumes)."""
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        return flops_lib.measure_matmul_peak(dtype, n=8192 if device.type == "cuda" else 1024, device=device)
-
-
-def cpu_name() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return "cpu"
-
-
-def peak_flops(ctx: Dist) -> tuple[float, float, str]:
-    """(peak FLOP/s per device for MFU, sustained fp32 TFLOPS for the paper's estimate, device name).
-
-    GPUs: bf16 dense and fp32 peaks from model.flops' table (measured when the
-    GPU is not in it). CPUs: the fp32 matmul peak measured now, for both.
-    """
-    if ctx.cuda:
-        name = torch.cuda.get_device_name(ctx.device)
-        try:
-            return flops_lib.device_tflops(name, "bf16") * 1e12, flops_lib.device_tflops(name, "fp32"), name
-        except KeyError as e:
-            log.warning("%s; measuring the matmul peaks instead", e)
-            return measured_peak(torch.bfloat16, ctx.device), measured_peak(torch.float32, ctx.device) / 1e12, name
-    measured = measured_peak(torch.float32, ctx.device)
-    return measured, measured / 1e12, f"{cpu_name()} ({torch.get_num_threads()} threads/process)"

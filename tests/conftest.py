@@ -20,3 +20,15 @@ def _private_tracking_store(tmp_path, monkeypatch):
     """Each test gets its own sqlite MLflow store unless it sets another."""
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     monkeypatch.setenv("PATH", f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_peak_cache(tmp_path_factory):
+    """Training's peak FLOP/s cache (pipeline/peak.py) lives under XDG_CACHE_HOME: one for the session, not ~/.cache."""
+    before = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg_cache"))
+    yield
+    if before is None:
+        os.environ.pop("XDG_CACHE_HOME", None)
+    else:
+        os.environ["XDG_CACHE_HOME"] = before
