@@ -39,7 +39,15 @@ class Dist:
 
 
 def available_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    """The CPU threads this machine gives training: $OMP_NUM_THREADS when set (runs sharing a machine, e.g.
+    `OMP_NUM_THREADS=1 python -m tools.seeds ... -j 3`), else the cores this process may run on."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    asked = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if not asked:
+        return cores
+    if not asked.isdigit() or int(asked) < 1:
+        raise ParamsError(f"OMP_NUM_THREADS={asked!r} in the environment: expected a whole number of threads >= 1")
+    return int(asked)
 
 
 def setup(devices: int) -> Dist:

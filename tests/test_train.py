@@ -410,3 +410,19 @@ def test_eight_processes_share_every_batch_once_agree_and_only_rank_0_writes(tmp
     client = MlflowClient(f"sqlite:///{db}")
     runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
     assert sorted(r.data.tags.get("stage", "parent") for r in runs) == ["parent", "train"]
+
+
+AVAILABLE_CORES = distributed.available_cores  # the real one: the fixture above replaces it in every test
+
+
+def test_omp_num_threads_sets_the_training_threads_and_a_bad_value_names_it(monkeypatch):
+    monkeypatch.setattr(distributed, "available_cores", AVAILABLE_CORES)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert distributed.available_cores() == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert distributed.available_cores() == 3
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert distributed.available_cores() == len(os.sched_getaffinity(0))
+    monkeypatch.setenv("OMP_NUM_THREADS", "two")
+    with pytest.raises(ParamsError, match="OMP_NUM_THREADS='two'"):
+        distributed.available_cores()
