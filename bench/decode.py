@@ -1,44 +1,55 @@
-"""Decoding speed: beam search with the key/value cache against recomputing the whole prefix each step.
+"""Decoding speed: what the translate stage runs against the same search recomputing the whole prefix each step.
 
-    python -m bench.decode [--sentences 100] [--seed 1] [--threads 1]
+    python -m bench.decode [--model data/model --tokenized data/tokenized [--raw data/raw]] [--sentences N]
+                           [--rounds 2] [--threads N]
 
-Same model, same inputs, one run: sentences per second of beam_search(use_cache=True)
-and of beam_search(use_cache=False), their ratio, and whether both found the same
-tokens. The model is the default preset's (`pipeline.config.compose([])`: model
-section, tokenize.vocab_size, translate.beam_size / length_penalty / max_len_a /
-max_len_b), randomly initialised; sources are Multi30k-like, 8 to 30 tokens.
+Both sides call stages.translate.translate_ids, the translate stage's own
+function, with the preset's `translate` params (beam 4, alpha 0.6, max length
+source + 50, max_tokens): once as the stage runs it (key/value cache, batches
+decoded side by side on the torch threads) and once with use_cache=False
+(every step re-runs the decoder over the whole prefix; same tokens). Rounds
+alternate, cached then uncached, so that load from other programs hits both
+alike; each side's best round is reported as sentences/s, with the ratio and
+whether both found the same tokens.
 
-Why an EOS bias: an untrained model almost never emits EOS, so every sentence
-would run to its maximum length (source + 50) and the uncached search, quadratic
-in the output length, would look far worse than it does on real translations.
-Training the model to copy first would take minutes of this CPU. Instead the
-model is wrapped so EOS's logit gets slope x (t - S_i) at output position t for a
-source of S_i tokens: outputs end near the source length, as Multi30k
-translations do, while every step still runs the full model (the bias costs
-one addition per row). The ratio measured this way is what translating
-Multi30k would see; it grows with longer outputs.
+Data: with --model and --tokenized, the trained model and the test split
+(Multi30k test2016: 1000 sentences) when both exist; with --raw too, each
+side's sacreBLEU against the test references (as the evaluate stage scores
+it). Otherwise the default
+preset's model (`pipeline.config.compose([])`), randomly initialised, on
+random Multi30k-like sources of 8 to 30 tokens. An untrained model almost
+never emits EOS, so every sentence would run to its maximum length (source +
+50) and the uncached search, quadratic in the output length, would look far
+worse than on real translations. The random model is therefore wrapped so
+EOS's logit gets slope x (t - S_i) at output position t for a source of S_i
+tokens: outputs end near the source length, as Multi30k translations do, while
+every step still runs the full model (the bias costs one addition per row).
 
-Why one thread by default: on a CPU shared with other busy processes, torch's
-default of one thread per core makes its threads wait for each other at each
-of the hundreds of small operations a cached step runs, which slows the cached
-search far more than the uncached one (its products are larger). `--threads 0`
-keeps torch's default.
+Threads: as the stage, all cores (`--threads` to choose; OMP_NUM_THREADS is
+not read here).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import time
+from pathlib import Path
+from typing import Sequence
 
+import numpy as np
 import torch
+from sacrebleu.metrics import BLEU
 from torch import Tensor, nn
 
-from model.beam_search import Hypothesis, beam_search
 from model.config import ModelConfig
-from model.transformer import Transformer
-from pipeline.config import compose, parse
-from pipeline.formats import BOS_ID, EOS_ID, PAD_ID
+from model.transformer import DecoderState, Transformer
+from pipeline.checkpoint import load_model
+from pipeline.config import TranslateConfig, compose, parse
+from pipeline.formats import EOS_ID, load_spm, load_split, read_meta
+from stages.evaluate import printed, read_lines
+from stages.translate import detokenize, translate_ids
 
 log = logging.getLogger("bench.decode")
 
@@ -51,31 +62,32 @@ class EosNearSourceLength(nn.Module):
     `project` removes and adds to the EOS logit.
     """
 
-    def __init__(self, model: nn.Module, slope: float):
+    def __init__(self, model: Transformer, slope: float):
         super().__init__()
-        self.model, self.slope, self.pad_id = model, slope, model.pad_id
-        self.embedding, self.max_positions = model.embedding, model.max_positions  # what translate_ids reads
+        self.model, self.slope = model, slope
+        self.pad_id, self.max_positions, self.embedding = model.pad_id, model.max_positions, model.embedding
 
     def encode(self, src: Tensor) -> tuple[Tensor, Tensor]:
         return self.model.encode(src)
 
-    def init_state(self, memory: Tensor, src_mask: Tensor):
-        return self.model.init_state(memory, src_mask)
+    def init_state(self, memory: Tensor, src_mask: Tensor, beams: int) -> DecoderState:
+        return self.model.init_state(memory, src_mask, beams)
 
-    def _bias(self, t: Tensor, src_mask: Tensor) -> Tensor:
-        """slope x (t - S) for t [R, T] output positions (1 = first token) and src_mask [R, 1, 1, S]."""
-        return self.slope * (t - src_mask.sum(dim=(1, 2, 3))[:, None])
+    def _bias(self, t: Tensor, src_len: Tensor) -> Tensor:
+        """slope x (t - S) for t [R, T] output positions (1 = first token) and source lengths S [R]."""
+        return self.slope * (t - src_len[:, None])
 
-    def decode_step(self, tokens: Tensor, state):
+    def decode_step(self, tokens: Tensor, state: DecoderState) -> tuple[Tensor, DecoderState]:
         logits, state = self.model.decode_step(tokens, state)
+        src_len = state.src_bias.isfinite().sum(dim=(1, 2, 3))[state.slots // state.beams]  # [R]
         t = torch.full((len(tokens), 1), state.position, device=tokens.device)
-        logits[:, EOS_ID] += self._bias(t, state.src_mask)[:, 0]
+        logits[:, EOS_ID] += self._bias(t, src_len)[:, 0]
         return logits, state
 
     def decode(self, tgt_in: Tensor, memory: Tensor, src_mask: Tensor) -> Tensor:
         hidden = self.model.decode(tgt_in, memory, src_mask)  # [R, T, D]
         t = torch.arange(1, tgt_in.shape[1] + 1, device=tgt_in.device).expand(tgt_in.shape)  # [R, T]
-        return torch.cat([hidden, self._bias(t, src_mask)[..., None]], dim=-1)  # [R, T, D + 1]
+        return torch.cat([hidden, self._bias(t, src_mask.sum(dim=(1, 2, 3)))[..., None]], dim=-1)  # [R, T, D + 1]
 
     def project(self, hidden: Tensor) -> Tensor:
         logits = self.model.project(hidden[..., :-1])
@@ -83,60 +95,81 @@ class EosNearSourceLength(nn.Module):
         return logits
 
 
-def multi30k_like_sources(n: int, vocab_size: int, generator: torch.Generator) -> Tensor:
-    """n random sentences of 8 to 30 tokens (the last EOS), padded: [n, 30]."""
-    lengths = torch.randint(8, 31, (n,), generator=generator)
-    src = torch.full((n, int(lengths.max())), PAD_ID)
-    for i, length in enumerate(lengths.tolist()):
-        src[i, : length - 1] = torch.randint(4, vocab_size, (length - 1,), generator=generator)
-        src[i, length - 1] = EOS_ID
-    return src
+def multi30k_like_sources(n: int, vocab_size: int, generator: torch.Generator) -> list[np.ndarray]:
+    """n random sentences of 7 to 29 token ids (8 to 30 with the EOS the search appends)."""
+    lengths = torch.randint(7, 30, (n,), generator=generator).tolist()
+    return [torch.randint(4, vocab_size, (length,), generator=generator).numpy() for length in lengths]
 
 
-def timed_search(model: nn.Module, src: Tensor, translate: dict, use_cache: bool) -> tuple[list[Hypothesis], float]:
-    """Beam search over `src` with the preset's settings; (hypotheses, seconds)."""
+def real_data(model_dir: Path | None, tokenized: Path | None) -> tuple[Transformer, list[np.ndarray]] | None:
+    """The trained model and the test split's source ids, if both are there."""
+    if model_dir is None or tokenized is None or not (model_dir / "model.pt").exists():
+        return None
+    if not (tokenized / "meta.json").exists():
+        return None
+    encoded = load_split(tokenized, "test", read_meta(tokenized)["src_lang"])
+    return load_model(model_dir, torch.device("cpu")), [encoded[i] for i in range(len(encoded))]
+
+
+def timed(model: nn.Module, sources: Sequence[np.ndarray], cfg: TranslateConfig,
+          use_cache: bool) -> tuple[list[list[int]], float]:
+    """translate_ids over `sources`: (outputs, seconds)."""
     start = time.perf_counter()
-    hyps = beam_search(
-        model, src, translate["beam_size"], translate["length_penalty"], translate["max_len_a"],
-        translate["max_len_b"], BOS_ID, EOS_ID, use_cache=use_cache,
-    )
-    return hyps, time.perf_counter() - start
+    outputs = translate_ids(model, sources, cfg, progress=False, use_cache=use_cache)
+    return outputs, time.perf_counter() - start
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sentences", type=int, default=100)
-    parser.add_argument("--slope", type=float, default=2.0, help="EOS logit bias per position past the source length")
+    parser.add_argument("--model", type=Path, help="a trained model (the average stage's output)")
+    parser.add_argument("--tokenized", type=Path, help="the tokenize stage's output: its test split is decoded")
+    parser.add_argument("--raw", type=Path, help="the download stage's output: BLEU against its test references")
+    parser.add_argument("--sentences", type=int, default=0, help="decode only the first N sources (0: all; random: 100)")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--slope", type=float, default=2.0, help="random model: EOS logit bias per position past S")
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (see the docstring); 0 = torch's default")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
 
-    cfg = compose([])
-    torch.manual_seed(args.seed)
-    transformer = Transformer(parse(cfg, "model", ModelConfig), cfg["tokenize"]["vocab_size"])
-    model = EosNearSourceLength(transformer, args.slope).eval()
-    src = multi30k_like_sources(args.sentences, cfg["tokenize"]["vocab_size"], torch.Generator().manual_seed(args.seed))
-    n = len(src)
-    log.info("model %s, vocab %d, %d sentences, %d threads", cfg["model"], cfg["tokenize"]["vocab_size"], n,
-             torch.get_num_threads())
+    preset = compose([])
+    cfg = parse(preset, "translate", TranslateConfig)
+    if found := real_data(args.model, args.tokenized):
+        model, sources = found
+        what = f"{args.model} on the test split of {args.tokenized}"
+    else:
+        torch.manual_seed(args.seed)
+        vocab = preset["tokenize"]["vocab_size"]
+        model = EosNearSourceLength(Transformer(parse(preset, "model", ModelConfig), vocab), args.slope).eval()
+        sources = multi30k_like_sources(args.sentences or 100, vocab, torch.Generator().manual_seed(args.seed))
+        what = f"the default preset's model, randomly initialised (EOS near the source length), vocab {vocab}"
+    sources = sources[: args.sentences] if args.sentences else sources
+    n = len(sources)
+    log.info("%s: %d sentences, beam %d, %d threads", what, n, cfg.beam_size, args.threads)
 
-    timed_search(model, src[:4], cfg["translate"], use_cache=True)  # warm-up: allocator, threads
-    log.info("beam search with the cache ...")
-    cached, cached_s = timed_search(model, src, cfg["translate"], use_cache=True)
-    log.info("beam search recomputing the prefix ...")
-    uncached, uncached_s = timed_search(model, src, cfg["translate"], use_cache=False)
-
-    src_len = (src != PAD_ID).sum(1).float().mean().item()
-    out_len = sum(len(h.tokens) + 1 for h in cached) / n
-    same = [h.tokens for h in cached] == [h.tokens for h in uncached]
-    print(f"beam {cfg['translate']['beam_size']}, {n} sentences, mean source {src_len:.1f} tokens, "
-          f"mean output {out_len:.1f} tokens (EOS included), {torch.get_num_threads()} threads")
-    print(f"cached:   {n / cached_s:8.2f} sentences/s ({cached_s:.2f} s)")
-    print(f"uncached: {n / uncached_s:8.2f} sentences/s ({uncached_s:.2f} s)")
-    print(f"speedup:  {uncached_s / cached_s:.2f}x; identical tokens: {same}")
+    timed(model, sources[:8], cfg, use_cache=True)  # warm-up: allocator, threads
+    seconds: dict[bool, list[float]] = {True: [], False: []}
+    outputs: dict[bool, list[list[int]]] = {}
+    for r in range(args.rounds):
+        for use_cache in (True, False):
+            outputs[use_cache], s = timed(model, sources, cfg, use_cache)
+            seconds[use_cache].append(s)
+            log.info("round %d, %s: %.1f sentences/s (load average %.1f)", r + 1,
+                     "cached" if use_cache else "recompute", n / s, os.getloadavg()[0])
+    cached, uncached = min(seconds[True]), min(seconds[False])
+    src_len = np.mean([len(s) + 1 for s in sources])
+    out_len = np.mean([len(o) + 1 for o in outputs[True]])
+    print(f"beam {cfg.beam_size}, {n} sentences, mean source {src_len:.1f} tokens, mean output {out_len:.1f} tokens "
+          f"(EOS included), {args.threads} threads, load average {os.getloadavg()[0]:.1f}")
+    print(f"cached (translate stage): {n / cached:8.1f} sentences/s ({cached:.2f} s, best of {args.rounds})")
+    print(f"recompute the prefix:     {n / uncached:8.1f} sentences/s ({uncached:.2f} s)")
+    print(f"speedup: {uncached / cached:.2f}x; identical tokens: {outputs[True] == outputs[False]}")
+    if found and args.raw:
+        sp, lang = load_spm(args.tokenized, model.embedding.num_embeddings), read_meta(args.tokenized)["tgt_lang"]
+        refs = read_lines(args.raw / f"test.{lang}")[:n]
+        bleu = [printed(BLEU().corpus_score(detokenize(sp, outputs[c]), [refs])) for c in (True, False)]
+        print(f"sacreBLEU (test.{lang}): cached {bleu[0]}, recompute {bleu[1]}")
 
 
 if __name__ == "__main__":

@@ -11,8 +11,8 @@ stages.batch.make_batches), it times pipeline.trainer.train_step (with
 build_optimizer, model.loss.SmoothedLoss and the autocast and gradient scaler
 the trainer picks: bf16 where the GPU has it) and prints per model: target
 tokens/s, MFU (analytic FLOPs, model.flops, over the device's peak at that
-precision from model.flops.PEAK_TFLOPS, or measured when the GPU is not in the
-table), peak memory, and beam-4 sentences/s of stages.translate.translate_ids
+precision as training takes it, pipeline.peak: model.flops.PEAK_TFLOPS, or
+measured when the GPU is not in the table), peak memory, and beam-4 sentences/s of stages.translate.translate_ids
 (the translate stage's decoding, fp32, with bench.decode's EOS bias so that
 outputs end near the source length as trained models' do). If a step does not
 fit, batch.max_tokens is halved (and the accumulation doubled) until it does,
@@ -23,7 +23,6 @@ shapes), and which is faster. Without CUDA it prints one line and exits 0.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import time
 from dataclasses import dataclass, replace
 
@@ -36,7 +35,7 @@ from model import flops as flops_lib
 from model.config import ModelConfig
 from model.loss import SmoothedLoss
 from model.transformer import Transformer
-from pipeline import config, distributed
+from pipeline import config, distributed, peak
 from pipeline.config import TrainConfig, TranslateConfig
 from pipeline.formats import Ragged
 from pipeline.loader import collate
@@ -45,7 +44,6 @@ from pipeline.trainer import build_optimizer, train_step
 from stages.batch import make_batches
 from stages.translate import translate_ids
 
-DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 WMT_MEAN, WMT_SD, WMT_LONGEST = 28, 14, 250  # BPE tokens per WMT14 en-de sentence (approximate), tokenize.max_len
 TINY = ["model.n_layers=1", "model.d_model=32", "model.d_ff=64", "model.n_heads=2", "model.d_k=16", "model.d_v=16",
         "tokenize.vocab_size=100", "batch.max_tokens=512", "train.tokens_per_step=1024"]  # --tiny: the code, on a CPU
@@ -139,16 +137,6 @@ def time_decoding(s: Setup, src: Ragged, sentences: int) -> float:
     return sentences / (time.perf_counter() - start)
 
 
-def peak(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
-    """The device's peak FLOP/s at the training precision: model.flops' table, else measured."""
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        with contextlib.suppress(KeyError):
-            return flops_lib.device_tflops(name, dtype) * 1e12, f"{name}, {DTYPES[dtype]} peak from model.flops"
-        return distributed.measured_peak(dtype, device), f"{name}, {DTYPES[dtype]} peak measured"
-    return distributed.measured_peak(dtype, device), f"CPU, {DTYPES[dtype]} peak measured"
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8, help="timed training steps per model and mode")
@@ -167,11 +155,12 @@ def main(argv: list[str] | None = None) -> None:
         results = {}
         for compiled in ([False] if args.no_compile else [False, True]):
             r, s = fitting_training(s, src, tgt, args.steps, compiled)
-            flops_peak, where = peak(device, r["dtype"])
+            p = peak.peak_flops(distributed.Dist(0, 1, 0, device))
+            where = f"{p.device}, {flops_lib.DTYPE_NAMES[r['dtype']]} peak {p.source}"
             results[compiled] = r
             memory = "n/a" if r["memory"] is None else f"{r['memory'] / 2**30:.1f} GiB"
             print(f"{name}{' compiled' if compiled else ''}: {r['tokens_per_s']:,.0f} target tokens/s, "
-                  f"MFU {r['flops_per_s'] / flops_peak:.1%} ({where}), peak memory {memory}, "
+                  f"MFU {r['flops_per_s'] / p.flops:.1%} ({where}), peak memory {memory}, "
                   f"{r['tokens_per_step']:,.0f} target tokens/step = {r['accum']} x batch.max_tokens {s.max_tokens}",
                   flush=True)
         print(f"{name}: beam {s.translate_cfg.beam_size}: {time_decoding(s, src, args.sentences):.1f} sentences/s "

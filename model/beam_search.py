@@ -48,16 +48,14 @@ class _PrefixState:
     memory: Tensor  # [R, S, D]
     src_mask: Tensor  # [R, 1, 1, S]
 
-    def select(self, index: Tensor) -> _PrefixState:
-        return _PrefixState(self.memory.index_select(0, index), self.src_mask.index_select(0, index))
+    def select(self, rows: Tensor, slots: Tensor, sentences: Tensor | None) -> _PrefixState:
+        return _PrefixState(self.memory.index_select(0, rows), self.src_mask.index_select(0, rows))
 
 
-def _start(model, src: Tensor, rows_per_sentence: int, use_cache: bool):
-    """Encode `src` once and return the decoder state with each sentence repeated `rows_per_sentence` times."""
+def _start(model, src: Tensor, beam_size: int, use_cache: bool):
+    """Encode `src` once; the decoder state holds one empty hypothesis per sentence."""
     memory, src_mask = model.encode(src)
-    state = model.init_state(memory, src_mask) if use_cache else _PrefixState(memory, src_mask)
-    repeat = torch.arange(src.shape[0], device=src.device).repeat_interleave(rows_per_sentence)
-    return state.select(repeat) if rows_per_sentence > 1 else state
+    return model.init_state(memory, src_mask, beam_size) if use_cache else _PrefixState(memory, src_mask)
 
 
 def _next_log_probs(model, prefix: Tensor, state, use_cache: bool):
@@ -113,14 +111,18 @@ def beam_search(
     end in EOS are finished; the K best that do not stay live. With K = 1 and
     alpha = 0 this is exactly greedy decoding.
 
-    Early termination, per sentence: a live hypothesis with log-prob L after t
+    Early termination, per hypothesis: a live hypothesis with log-prob L after t
     tokens can only lose log-probability, so any finished descendant of length
     n (t < n <= max_len) scores at most L / lp(n) (L <= 0, lp(n) > 0). lp is
     monotone in n, so the best it can reach is L / max(lp(t + 1), lp(max_len))
-    (= L / lp(max_len) for alpha > 0, L for alpha = 0). A sentence stops as soon
-    as its best finished score is >= this bound for its best live hypothesis
-    (largest L). All later hypotheses descend from the live ones, so stopping
-    there returns exactly what searching to max_len would.
+    (= L / lp(max_len) for alpha > 0, L for alpha = 0). A live hypothesis whose
+    bound is <= its sentence's best finished score can never improve on it, nor
+    can any hypothesis with a lower log-prob at the same step, which is all
+    that would take its place among the K: it is dropped and no longer
+    decoded. A sentence stops when none is left (its best finished score is
+    >= the bound of its best live hypothesis). Everything that could still win
+    is searched exactly as if every sentence ran all K beams to max_len, so the
+    returned hypotheses are the same.
     """
     _check(model, src)
     if beam_size < 1:
@@ -130,23 +132,29 @@ def beam_search(
         B, device = src.shape[0], src.device
         max_len = max_lengths(src, model.pad_id, max_len_a, max_len_b)  # [B]
         state = _start(model, src, K, use_cache)
-        alive = torch.arange(B, device=device)  # original index of each live sentence, [n]
-        prefix = torch.full((B * K, 1), bos_id, dtype=torch.long, device=device)  # [n*K, t+1]
-        # All K beams start as the same empty prefix: only the first may expand at step 1.
-        beam_lp = torch.full((B, K), float("-inf"), device=device)  # [n, K]
-        beam_lp[:, 0] = 0.0
+        alive = torch.arange(B, device=device)  # original index of each sentence still searched, [n]
+        # Rows are live hypotheses; slot[r] = i * K + j puts row r in beam j of sentence alive[i].
+        slot = torch.arange(B, device=device) * K  # [R]: one empty hypothesis per sentence to start
+        prefix = torch.full((B, 1), bos_id, dtype=torch.long, device=device)  # [R, t+1]
+        row_lp = torch.zeros(B, device=device)  # [R]
         best_score = torch.full((B,), float("-inf"), device=device)
         best: list[Hypothesis | None] = [None] * B
         t = 0
         while alive.numel():
             t += 1  # tokens generated after this step
             n = alive.numel()
-            log_probs, state = _next_log_probs(model, prefix, state, use_cache)  # [n*K, V]
-            log_probs = _force_eos(log_probs, (max_len[alive] == t).repeat_interleave(K), eos_id)
-            V = log_probs.shape[-1]
-            cand = (beam_lp[:, :, None] + log_probs.view(n, K, V)).view(n, K * V)  # [n, K*V]
-            cand_lp, cand_idx = cand.topk(min(2 * K, K * V), dim=1)  # [n, 2K], best first
-            cand_beam, cand_tok = cand_idx // V, cand_idx % V
+            log_probs, state = _next_log_probs(model, prefix, state, use_cache)  # [R, V]
+            log_probs = _force_eos(log_probs, (max_len[alive] == t)[slot // K], eos_id)
+            top_lp, top_tok = log_probs.topk(min(2 * K, log_probs.shape[-1]), dim=1)  # [R, C], best first
+            # The 2K best extensions of each sentence are among its rows' C best: gather them in the
+            # [n, K] grid of beam slots (-inf where a slot holds no hypothesis), then pick per sentence.
+            C = top_lp.shape[1]
+            grid = torch.full((n * K, C), float("-inf"), device=device).index_copy_(0, slot, row_lp[:, None] + top_lp)
+            cand_lp, cand_idx = grid.view(n, K * C).topk(min(2 * K, K * C), dim=1)  # [n, 2K], best first
+            row_of_slot = torch.zeros(n * K, dtype=torch.long, device=device).index_copy_(
+                0, slot, torch.arange(len(slot), device=device))
+            cand_row = row_of_slot[torch.arange(n, device=device)[:, None] * K + cand_idx // C]  # [n, 2K]
+            cand_tok = top_tok[cand_row, cand_idx % C]
             is_eos = cand_tok == eos_id
 
             # Finished: EOS among the top K (finite: forced rows have -inf elsewhere).
@@ -157,25 +165,23 @@ def beam_search(
             improved = step_score > best_score[alive]
             for i in improved.nonzero().flatten().tolist():
                 pos = step_pos[i]
-                row = i * K + cand_beam[i, pos]
-                best[int(alive[i])] = Hypothesis(prefix[row, 1:].tolist(), step_score[i].item(), cand_lp[i, pos].item())
+                best[int(alive[i])] = Hypothesis(prefix[cand_row[i, pos], 1:].tolist(), step_score[i].item(),
+                                                 cand_lp[i, pos].item())
             best_score[alive] = torch.maximum(best_score[alive], step_score)
 
-            # Live: the K best candidates that do not end in EOS (at most K of the 2K do).
+            # Live: the K best candidates that do not end in EOS (at most K of the 2K do), best first ...
             keep_pos = torch.where(is_eos, rank + 2 * K, rank).topk(K, dim=1, largest=False).values  # [n, K]
             beam_lp = cand_lp.gather(1, keep_pos)
-            beam_row = torch.arange(n, device=device)[:, None] * K + cand_beam.gather(1, keep_pos)  # [n, K]
-            beam_tok = cand_tok.gather(1, keep_pos)
-
+            # ... of which those that can still beat their sentence's best finished hypothesis.
             reachable_lp = length_penalty(max_len[alive].float(), alpha).clamp(min=length_penalty(t + 1, alpha))
-            bound = beam_lp[:, 0] / reachable_lp  # best score any live hypothesis can still reach, [n]
-            done = (best_score[alive] >= bound) | (max_len[alive] <= t)
-            if done.all():
+            live = (beam_lp / reachable_lp[:, None] > best_score[alive][:, None]) & (max_len[alive] > t)[:, None]
+            kept = live.any(dim=1).nonzero().flatten()  # [n']
+            if not kept.numel():
                 break
-            keep = (~done).nonzero().flatten()
-            rows = beam_row[keep].flatten()  # [n'*K]
-            state = state.select(rows)
-            prefix = torch.cat([prefix[rows], beam_tok[keep].reshape(-1, 1)], dim=1)
-            beam_lp, alive = beam_lp[keep], alive[keep]
+            live = live[kept]  # [n', K]
+            rows = cand_row.gather(1, keep_pos)[kept][live]  # [R']
+            state = state.select(rows, live.flatten().nonzero().flatten(), kept if len(kept) < n else None)
+            prefix = torch.cat([prefix[rows], cand_tok.gather(1, keep_pos)[kept][live][:, None]], dim=1)
+            row_lp, alive = beam_lp[kept][live], alive[kept]
+            slot = live.flatten().nonzero().flatten()
         return best
-

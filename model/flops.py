@@ -91,7 +91,7 @@ PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "H200": {"fp32": 67.0, "bf16": 989.5},
 }
 
-_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 # torch.cuda.get_device_name() strings -> PEAK_TFLOPS keys; first match wins.
 _DEVICE_PATTERNS = [
@@ -124,7 +124,7 @@ def device_key(cuda_name: str) -> str:
 def device_tflops(name: str, dtype: torch.dtype | str) -> float:
     """Peak TFLOPS of device `name` (a PEAK_TFLOPS key or a CUDA device name) at dtype (torch.float32/bfloat16)."""
     key = name if name in PEAK_TFLOPS else device_key(name)
-    dtype_name = _DTYPE_NAMES.get(dtype, dtype)
+    dtype_name = DTYPE_NAMES.get(dtype, dtype)
     if dtype_name not in PEAK_TFLOPS[key]:
         raise KeyError(f"no {dtype_name} peak known for {key}; known: {sorted(PEAK_TFLOPS[key])}")
     return PEAK_TFLOPS[key][dtype_name]

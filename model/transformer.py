@@ -72,9 +72,18 @@ class MultiHeadAttention(nn.Module):
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
         """softmax(Q K^T / sqrt(d_k)) V over heads, then W^O. q [B,H,T,d_k] -> [B, T, D]."""
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+        return self.merge(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal))
+
+    def attend_products(self, q: Tensor, k_t: Tensor, v: Tensor, bias: Tensor | None = None) -> Tensor:
+        """softmax(Q K^T / sqrt(d_k) + bias) V as two products, which beat the fused kernel on CPUs for the few
+        queries of a decoding step. q [B,H,T,d_k], k_t = K^T [B,H,d_k,S], bias [B,1,1,S] or None -> [B,H,T,d_v]."""
+        scores = q @ k_t / math.sqrt(self.d_k)
+        return torch.softmax(scores if bias is None else scores + bias, dim=-1) @ v
+
+    def merge(self, out: Tensor) -> Tensor:
+        """W^O over the concatenated heads: [B, H, T, d_v] -> [B, T, D]."""
         B, _, T, _ = out.shape
-        return self.w_o(out.transpose(1, 2).reshape(B, T, self.n_heads * self.d_v))  # [B,H,T,d_v] -> [B,T,H*d_v]
+        return self.w_o(out.transpose(1, 2).reshape(B, T, self.n_heads * self.d_v))
 
     def forward(self, x: Tensor, mask: Tensor | None, causal: bool = False, memory: Tensor | None = None) -> Tensor:
         """Self-attention over `x` ([B, L, D]), or cross-attention from `x` to `memory` ([B, S, D])."""
@@ -155,39 +164,73 @@ class DecoderLayer(nn.Module):
         y = self.norm_2(y + self.dropout(self.cross_attn(y, src_mask, memory=memory)))
         return self.norm_3(y + self.dropout(self.ffn(y)))
 
-    def step(self, y: Tensor, cache: LayerCache, src_mask: Tensor) -> Tensor:
-        """One decoding position with cached keys and values. y [B, 1, D] -> [B, 1, D]."""
-        q, k, v = self.self_attn.project_qkv(y)
-        cache.self_k = torch.cat([cache.self_k, k], dim=2)  # [B, H, t+1, d_k]
-        cache.self_v = torch.cat([cache.self_v, v], dim=2)
-        y = self.norm_1(y + self.dropout(self.self_attn.attend(q, cache.self_k, cache.self_v, None, causal=False)))
-        q = self.cross_attn.project_q(y)
-        y = self.norm_2(y + self.dropout(self.cross_attn.attend(q, cache.cross_k, cache.cross_v, src_mask, causal=False)))
+    def step(self, y: Tensor, cache: LayerCache, state: DecoderState) -> Tensor:
+        """One decoding position with cached keys and values. y [R, 1, D] (one row per hypothesis) -> [R, 1, D]."""
+        q, k, v = self.self_attn.project_qkv(y)  # [R, H, 1, d]
+        t = state.position
+        cache.grow(t + 1)
+        cache.self_k[t], cache.self_v[t] = k[:, :, 0], v[:, :, 0]
+        past_k_t = cache.self_k[: t + 1].permute(1, 2, 3, 0)  # [t+1, R, H, d_k] -> [R, H, d_k, t+1]
+        past_v = cache.self_v[: t + 1].permute(1, 2, 0, 3)  # [R, H, t+1, d_v]
+        y = self.norm_1(y + self.dropout(self.self_attn.merge(self.self_attn.attend_products(q, past_k_t, past_v))))
+        # The beams of a sentence share its one copy of the encoder keys and values: their queries go into
+        # a [N x K] grid of (sentence, beam) slots and attend as K query positions of that sentence.
+        N, K = state.src_bias.shape[0], state.beams
+        q = self.cross_attn.project_q(y)[:, :, 0]  # [R, H, d_k]
+        grid = q.new_zeros(N * K, *q.shape[1:]).index_copy_(0, state.slots, q).view(N, K, *q.shape[1:])
+        out = self.cross_attn.attend_products(grid.transpose(1, 2), cache.cross_k_t, cache.cross_v, state.src_bias)
+        out = out.transpose(1, 2).reshape(N * K, 1, -1).index_select(0, state.slots)  # [N, H, K, d_v] -> [R, 1, H*d_v]
+        y = self.norm_2(y + self.dropout(self.cross_attn.w_o(out)))
         return self.norm_3(y + self.dropout(self.ffn(y)))
 
 
 @dataclass
 class LayerCache:
-    """Keys and values one decoder layer has seen: its own past positions and the encoder output."""
+    """Keys and values one decoder layer has seen: its own past positions (per hypothesis, position-major so
+    that following the beams copies each position once) and the encoder output (per sentence)."""
 
-    self_k: Tensor  # [B, H, t, d_k]
-    self_v: Tensor  # [B, H, t, d_v]
-    cross_k: Tensor  # [B, H, S, d_k]
-    cross_v: Tensor  # [B, H, S, d_v]
+    self_k: Tensor  # [T, R, H, d_k], positions < DecoderState.position filled; T may be larger
+    self_v: Tensor  # [T, R, H, d_v]
+    cross_k_t: Tensor  # [N, H, d_k, S]: keys transposed once, for every step's Q K^T
+    cross_v: Tensor  # [N, H, S, d_v]
+
+    def grow(self, length: int) -> None:
+        """Make room for `length` positions (beam search's select already leaves room for the next one)."""
+        if self.self_k.shape[0] < length:
+            extra = length - self.self_k.shape[0]
+            self.self_k = torch.cat([self.self_k, self.self_k.new_empty(extra, *self.self_k.shape[1:])])
+            self.self_v = torch.cat([self.self_v, self.self_v.new_empty(extra, *self.self_v.shape[1:])])
+
+
+def _follow(past: Tensor, rows: Tensor, length: int) -> Tensor:
+    """Rows `rows` of the first `length` positions of a [T, R, ...] cache, copied once into room for length + 1."""
+    out = past.new_empty(length + 1, len(rows), *past.shape[2:])
+    torch.index_select(past[:length], 1, rows, out=out[:length])
+    return out
 
 
 @dataclass
 class DecoderState:
-    """Everything incremental decoding carries from one step to the next."""
+    """Everything incremental decoding carries from one step to the next.
+
+    Rows are hypotheses; sentences are source sentences. Hypothesis r is beam slots[r] % beams of sentence
+    slots[r] // beams: a sentence may hold any number of its `beams` slots, none included.
+    """
 
     layers: list[LayerCache]
-    src_mask: Tensor  # [B, 1, 1, S]
+    src_bias: Tensor  # [N, 1, 1, S]: 0 where a key may be attended, -inf at padding (SDPA adds it to the scores)
+    slots: Tensor  # [R] long
+    beams: int
     position: int  # positions decoded so far
 
-    def select(self, index: Tensor) -> DecoderState:
-        """Keep (and reorder, or repeat) batch rows `index`, e.g. to follow beams or drop finished ones."""
-        layers = [LayerCache(*(t.index_select(0, index) for t in vars(c).values())) for c in self.layers]
-        return DecoderState(layers, self.src_mask.index_select(0, index), self.position)
+    def select(self, rows: Tensor, slots: Tensor, sentences: Tensor | None) -> DecoderState:
+        """Keep hypotheses `rows` ([R'] indices, repeats allowed) and sentences `sentences` ([N'] indices; None:
+        all), new row i in grid slot slots[i] of the kept sentences (e.g. to follow beams, drop finished ones)."""
+        t = self.position
+        keep = (lambda x: x) if sentences is None else (lambda x: x.index_select(0, sentences))
+        layers = [LayerCache(_follow(c.self_k, rows, t), _follow(c.self_v, rows, t), keep(c.cross_k_t), keep(c.cross_v))
+                  for c in self.layers]
+        return DecoderState(layers, keep(self.src_bias), slots, self.beams, t)
 
 
 # --- The model ------------------------------------------------------------------------
@@ -289,22 +332,26 @@ class Transformer(nn.Module):
 
     # --- incremental decoding (translate stage) ---
 
-    def init_state(self, memory: Tensor, src_mask: Tensor) -> DecoderState:
-        """Project the encoder output once per layer for cross-attention; start with empty self caches."""
+    def init_state(self, memory: Tensor, src_mask: Tensor, beams: int = 1) -> DecoderState:
+        """Project the encoder output once per layer for cross-attention; one empty hypothesis per sentence, in
+        slot 0 of its `beams`."""
         layers = []
+        B = memory.shape[0]
         for layer in self.decoder:
             k, v = layer.cross_attn.project_kv(memory)
-            B, H = k.shape[:2]
-            empty_k = k.new_zeros(B, H, 0, layer.self_attn.d_k)
-            empty_v = v.new_zeros(B, H, 0, layer.self_attn.d_v)
-            layers.append(LayerCache(empty_k, empty_v, k, v))
-        return DecoderState(layers, src_mask, 0)
+            H = k.shape[1]
+            empty_k = k.new_empty(1, B, H, layer.self_attn.d_k)  # room for the first position
+            empty_v = v.new_empty(1, B, H, layer.self_attn.d_v)
+            layers.append(LayerCache(empty_k, empty_v, k.transpose(-1, -2).contiguous(), v.contiguous()))
+        slots = torch.arange(B, device=memory.device) * beams
+        src_bias = torch.zeros(src_mask.shape, dtype=memory.dtype, device=memory.device).masked_fill(~src_mask, float("-inf"))
+        return DecoderState(layers, src_bias, slots, beams, 0)
 
     def decode_step(self, tokens: Tensor, state: DecoderState) -> tuple[Tensor, DecoderState]:
-        """Feed the last token of each row, tokens [B]; return next-token logits [B, V] and the grown state."""
-        y = self.embed(tokens[:, None], start=state.position)  # [B, 1, D]
+        """Feed the last token of each hypothesis, tokens [R]; return next-token logits [R, V] and the grown state."""
+        y = self.embed(tokens[:, None], start=state.position)  # [R, 1, D]
         for layer, cache in zip(self.decoder, state.layers):
-            y = layer.step(y, cache, state.src_mask)
+            y = layer.step(y, cache, state)
         state.position += 1
         return self.project(y[:, 0]), state
 

@@ -1,4 +1,4 @@
-"""Data-parallel plumbing for the train stage: processes, devices and their peak (which batches: pipeline/steps.py).
+"""Data-parallel plumbing for the train stage: processes, devices (their peak: pipeline/peak.py; which batches: pipeline/steps.py).
 
 torchrun sets RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE; without them
 (plain `python -m stages.train`) there is one process and no process group at
@@ -18,12 +18,10 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from model import flops as flops_lib
 from pipeline.config import ParamsError
 from pipeline.errors import PipelineError
 
@@ -58,7 +56,15 @@ class Dist:
 
 
 def available_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    """The CPU threads this machine gives training: $OMP_NUM_THREADS when set (runs sharing a machine, e.g.
+    `OMP_NUM_THREADS=1 python -m tools.seeds ... -j 3`), else the cores this process may run on."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    asked = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if not asked:
+        return cores
+    if not asked.isdigit() or int(asked) < 1:
+        raise ParamsError(f"OMP_NUM_THREADS={asked!r} in the environment: expected a whole number of threads >= 1")
+    return int(asked)
 
 
 def setup(devices: int, timeout_minutes: float) -> Dist:
@@ -209,37 +215,3 @@ def autocast_dtype(device: torch.device) -> torch.dtype:
     major, _ = torch.cuda.get_device_capability(device)
     return torch.bfloat16 if major >= 8 else torch.float16 if major >= 7 else torch.float32
 
-
-# --- the device's peak, for MFU and the paper's cost estimate ---------------------------------
-
-
-def measured_peak(dtype: torch.dtype, device: torch.device) -> float:
-    """The matmul peak measured here, without moving the training RNG (exact resumes)."""
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        return flops_lib.measure_matmul_peak(dtype, n=8192 if device.type == "cuda" else 1024, device=device)
-
-
-def cpu_name() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return "cpu"
-
-
-def peak_flops(ctx: Dist) -> tuple[float, float, str]:
-    """(peak FLOP/s per device for MFU, sustained fp32 TFLOPS for the paper's estimate, device name).
-
-    GPUs: the peak at the training precision (autocast_dtype: bf16 dense on
-    most) and the fp32 peak from model.flops' table (measured when the GPU is
-    not in it). CPUs: the fp32 matmul peak measured now, for both.
-    """
-    if ctx.cuda:
-        name, dtype = torch.cuda.get_device_name(ctx.device), autocast_dtype(ctx.device)
-        try:
-            return flops_lib.device_tflops(name, dtype) * 1e12, flops_lib.device_tflops(name, "fp32"), name
-        except KeyError as e:
-            log.warning("%s; measuring the matmul peaks instead", e)
-            return measured_peak(dtype, ctx.device), measured_peak(torch.float32, ctx.device) / 1e12, name
-    measured = measured_peak(torch.float32, ctx.device)
-    return measured, measured / 1e12, f"{cpu_name()} ({torch.get_num_threads()} threads/process)"

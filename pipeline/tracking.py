@@ -62,7 +62,7 @@ from typing import Any, Callable, Iterator
 
 import yaml
 
-from pipeline import lineage
+from pipeline import lineage, views
 
 log = logging.getLogger(__name__)
 
@@ -348,6 +348,8 @@ def stage_run(stage: str, args: argparse.Namespace, enabled: bool = True) -> Ite
         status = "KILLED"
         raise
     finally:
+        if status == "FINISHED" and run.active:  # its output as tools.inspect shows it (pipeline/views.py)
+            views.log_view(stage, path_arguments(args), uri, run_id)
         run._call(lambda: client.set_terminated(run_id, status=status))
         if status == "FINISHED" and parent.active:  # its own --metrics file, and downstream ones DVC will skip
             own = [path_arguments(args)["metrics"]] if "metrics" in path_arguments(args) else []

@@ -54,7 +54,7 @@ from model.loss import SmoothedLoss, real_hidden, smoothed_and_nll
 from model.schedule import lrate
 from model.transformer import Transformer
 from pipeline import checkpoint as ckpt
-from pipeline import distributed, faults, steps, tracking
+from pipeline import distributed, faults, peak, steps, tracking
 from pipeline.config import TrainConfig
 from pipeline.distributed import Dist
 from pipeline.files import write_text
@@ -217,9 +217,9 @@ class Trainer:
         if left_out:
             log.warning("%d valid pair(s) longer than model.max_positions = %d are left out of validation",
                         left_out, model_cfg.max_positions)
-        self.peak, self.fp32_tflops, self.device_name = distributed.peak_flops(ctx) if ctx.is_main else (0.0, 0.0, "")
+        self.peak = peak.peak_flops(ctx) if ctx.is_main else peak.Peak(0.0, 0.0, "", "", None)
         run.log_params({"model": asdict(model_cfg), "train": asdict(cfg), "batch.max_tokens": max_tokens,
-                        "grad_accum": self.accum, "device": self.device_name, "params_hash": phash})
+                        "grad_accum": self.accum, "device": self.peak.device, "params_hash": phash})
 
     def resume(self) -> Progress:
         """Load the newest matching checkpoint (rank 0 reads it and sends it to every rank), else start afresh."""
@@ -379,6 +379,8 @@ class Trainer:
             self.validate()
         if saved_at != p.step:
             self.save()
+        if ctx.is_main and p.step_seconds:  # MFU <= 1: a run faster than the peak raises it
+            self.peak = peak.settle(self.peak, p.flops / (p.step_seconds * ctx.world))
         return self.metrics()
 
     def metrics(self) -> dict:
@@ -394,11 +396,12 @@ class Trainer:
             "train_hours": hours,
             "step_seconds": p.step_seconds,
             "flops_analytic": p.flops,
-            "flops_paper_estimate": flops_lib.paper_estimate_flops(hours, world, self.fp32_tflops),
-            "mfu": flops_lib.mfu(p.flops, p.step_seconds, world, self.peak) if p.step_seconds and self.peak else 0.0,
-            "peak_flops": self.peak,
+            "flops_paper_estimate": flops_lib.paper_estimate_flops(hours, world, self.peak.fp32_tflops),
+            "mfu": flops_lib.mfu(p.flops, p.step_seconds, world, self.peak.flops) if p.step_seconds and self.peak.flops else 0.0,
+            "peak_flops": self.peak.flops,
+            "peak_flops_source": self.peak.source,
             "tokens_per_second": p.train_tokens / p.step_seconds if p.step_seconds else 0.0,
-            "device": self.device_name,
+            "device": self.peak.device,
             "devices": world,
             "grad_accum": self.accum,
             "params_hash": self.phash,

@@ -28,11 +28,13 @@ translated together; lines typed one at a time are answered one at a time.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import select
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -43,7 +45,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 from tqdm import tqdm
 
-from model.beam_search import beam_search
+from model.beam_search import Hypothesis, beam_search
 from model.transformer import Transformer
 from pipeline import cli, config, tracking
 from pipeline.checkpoint import load_model
@@ -71,11 +73,41 @@ def decoding_batches(lengths: np.ndarray, max_tokens: int, max_sentences: int) -
     return batches
 
 
-@torch.inference_mode()
+def parallel_searches(batches: list[np.ndarray], threads: int, cuda: bool) -> tuple[list[np.ndarray], int, int]:
+    """(batches to search, searches run at once, torch threads each) for `threads` CPU threads.
+
+    A beam step is hundreds of small operations: torch threads splitting each one
+    wait for each other at every one of them (on a busy machine, for whoever
+    holds a core), so whole batches run side by side on one thread each instead.
+    Each batch is cut into one part per search (its sentences have alike
+    lengths, so the parts cost alike): the searches get equal shares whatever
+    the number of batches (5 whole batches on 2 threads would idle one thread a
+    fifth of the time).
+    """
+    sentences = sum(len(b) for b in batches)
+    if cuda or threads <= 1 or sentences <= 1:
+        return batches, 1, threads
+    workers = min(threads, sentences)
+    parts = [part for batch in batches for part in np.array_split(batch, workers) if len(part)]
+    return parts, workers, max(1, threads // workers)
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch.set_num_threads(n) for the block, then back."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def translate_ids(
-    model: Transformer, sources: Sequence[np.ndarray], cfg: TranslateConfig, progress: bool = True
+    model: Transformer, sources: Sequence[np.ndarray], cfg: TranslateConfig, progress: bool = True,
+    use_cache: bool = True,
 ) -> list[list[int]]:
-    """Output ids (no BOS/EOS) for each source (ids without EOS), in input order."""
+    """Output ids (no BOS/EOS) for each source (ids without EOS), in input order (use_cache: see beam_search)."""
     device = model.embedding.weight.device
     limit = max_source_len(model.max_positions, cfg) - 1  # room for EOS
     if limit < 0:
@@ -84,16 +116,22 @@ def translate_ids(
     lengths = np.fromiter((min(len(s), limit) + 1 for s in sources), dtype=np.int64, count=len(sources))
     if truncated := sum(len(s) > limit for s in sources):  # Paper: no limit; ours is model.max_positions
         log.warning("%d source sentence(s) longer than %d tokens are cut to fit model.max_positions", truncated, limit)
-    outputs: list[list[int]] = [[] for _ in sources]
+
+    def search(batch: np.ndarray) -> list[Hypothesis]:
+        rows = [torch.from_numpy(np.append(sources[i][:limit].astype(np.int64), EOS_ID)) for i in batch]
+        src = pad_sequence(rows, batch_first=True, padding_value=PAD_ID).to(device)  # [B, S]
+        return beam_search(model, src, cfg.beam_size, cfg.length_penalty, cfg.max_len_a, cfg.max_len_b, BOS_ID, EOS_ID,
+                           use_cache)
+
     nonempty = np.flatnonzero(np.fromiter((len(s) > 0 for s in sources), dtype=bool, count=len(sources)))
-    with tqdm(total=len(sources), unit="sentence", desc="translate", disable=not progress, mininterval=5) as bar:
+    batches = [nonempty[b] for b in decoding_batches(lengths[nonempty], cfg.max_tokens,
+                                                     max(1, cfg.max_tokens // cfg.beam_size))]
+    batches, workers, threads = parallel_searches(batches, torch.get_num_threads(), device.type == "cuda")
+    outputs: list[list[int]] = [[] for _ in sources]
+    with (tqdm(total=len(sources), unit="sentence", desc="translate", disable=not progress, mininterval=5) as bar,
+          torch_threads(threads), ThreadPoolExecutor(workers) as pool):
         bar.update(len(sources) - len(nonempty))  # an empty line is not decoded: its translation is empty
-        for batch in decoding_batches(lengths[nonempty], cfg.max_tokens, max(1, cfg.max_tokens // cfg.beam_size)):
-            batch = nonempty[batch]
-            rows = [torch.from_numpy(np.append(sources[i][:limit].astype(np.int64), EOS_ID)) for i in batch]
-            src = pad_sequence(rows, batch_first=True, padding_value=PAD_ID).to(device)  # [B, S]
-            hyps = beam_search(model, src, cfg.beam_size, cfg.length_penalty, cfg.max_len_a, cfg.max_len_b,
-                               BOS_ID, EOS_ID)
+        for batch, hyps in zip(batches, pool.map(search, batches)):  # each batch's result is its own: same outputs
             for i, hyp in zip(batch.tolist(), hyps):
                 outputs[i] = hyp.tokens
             bar.update(len(batch))

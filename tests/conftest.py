@@ -13,6 +13,7 @@ VENV_BIN = Path(sys.executable).parent
 os.environ.setdefault("DVC_NO_ANALYTICS", "1")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("DO_NOT_TRACK", "true")
+os.environ.setdefault("PIPELINE_VIEWS", "0")  # pipeline/views.py: on only where a test checks them
 
 
 @pytest.fixture(autouse=True)
@@ -31,3 +32,15 @@ def one_thread(monkeypatch):
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_peak_cache(tmp_path_factory):
+    """Training's peak FLOP/s cache (pipeline/peak.py) lives under XDG_CACHE_HOME: one for the session, not ~/.cache."""
+    before = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg_cache"))
+    yield
+    if before is None:
+        os.environ.pop("XDG_CACHE_HOME", None)
+    else:
+        os.environ["XDG_CACHE_HOME"] = before

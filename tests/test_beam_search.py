@@ -92,28 +92,36 @@ def test_beam_of_four_scores_at_least_as_high_as_greedy():
     assert better > 0  # the search found something greedy missed
 
 
-class NoEos(nn.Module):
-    """A model that (almost) never wants EOS: every output runs to the maximum length."""
+class EosBias(nn.Module):
+    """`model` with `bias` added to EOS's logit (-1e4: every output runs to the maximum length); records
+    (hypotheses decoded, sentences in the batch) at every cached step."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, bias: float):
         super().__init__()
-        self.model, self.pad_id = model, model.pad_id
+        self.model, self.pad_id, self.bias, self.steps = model, model.pad_id, bias, []
+
+    def forward(self, src, tgt_in):
+        logits = self.model(src, tgt_in)
+        logits[..., EOS] += self.bias
+        return logits
 
     def encode(self, src):
         return self.model.encode(src)
 
-    def init_state(self, memory, src_mask):
-        return self.model.init_state(memory, src_mask)
+    def init_state(self, memory, src_mask, beams):
+        return self.model.init_state(memory, src_mask, beams)
 
     def decode_step(self, tokens, state):
+        self.steps.append((len(tokens), state.src_bias.shape[0]))
         logits, state = self.model.decode_step(tokens, state)
-        return logits - 1e4 * (torch.arange(logits.shape[-1]) == EOS), state
+        logits[:, EOS] += self.bias
+        return logits, state
 
 
 @pytest.mark.parametrize("beam_size", [1, 3])
 def test_maximum_length_follows_each_sentences_source_length(beam_size):
     lengths, a, b = [3, 5, 6, 2], 1.5, 2
-    model, src = NoEos(tiny_model()).eval(), sources([3, 5, 6, 2], seed=3)
+    model, src = EosBias(tiny_model(), -1e4).eval(), sources([3, 5, 6, 2], seed=3)
     hyps = beam_search(model, src, beam_size, 0.6, a, b, BOS, EOS)
     # Every output hits its own bound floor(a * S_i + b), EOS counted, and EOS is forced there.
     assert [len(h.tokens) + 1 for h in hyps] == [math.floor(a * n + b) for n in lengths] == [6, 9, 11, 5]
@@ -125,8 +133,8 @@ class ScriptedState:
     k: torch.Tensor  # [R] step at which EOS becomes likely, per row
     position: int
 
-    def select(self, index: torch.Tensor) -> "ScriptedState":
-        return ScriptedState(self.k.index_select(0, index), self.position)
+    def select(self, rows, slots, sentences) -> "ScriptedState":
+        return ScriptedState(self.k.index_select(0, rows), self.position)
 
 
 class Scripted(nn.Module):
@@ -142,7 +150,7 @@ class Scripted(nn.Module):
     def encode(self, src):
         return src[:, :1, None].float(), (src != PAD)[:, None, None, :]
 
-    def init_state(self, memory, src_mask):
+    def init_state(self, memory, src_mask, beams):
         return ScriptedState(memory[:, 0, 0].long(), 0)
 
     def decode_step(self, tokens, state):
@@ -162,7 +170,8 @@ def test_early_termination_without_length_penalty_stops_at_the_first_eos():
     model = Scripted().eval()
     src = torch.tensor([scripted_source(2, 5), scripted_source(4, 5)])
     hyps = beam_search(model, src, 2, 0.0, 1.0, 50, BOS, EOS)  # max length 55
-    assert model.calls == [4, 4, 2, 2]  # the first sentence leaves the batch after step 2
+    # Step 1 decodes one empty hypothesis per sentence; the first sentence leaves the batch after step 2.
+    assert model.calls == [2, 4, 2, 2]
     assert [h.tokens for h in hyps] == [[A], [A, A, A]]
     assert math.isclose(hyps[1].log_prob, 3 * math.log(0.7) + math.log(0.5), rel_tol=1e-6)
 
@@ -212,3 +221,43 @@ def test_training_mode_is_refused():
     model = tiny_model().train()
     with pytest.raises(AssertionError, match="eval"):
         beam_search(model, sources([3]), 2, 0.6, 1.0, 5, BOS, EOS)
+
+
+def reference_beam_search(model, src_row: torch.Tensor, K: int, alpha: float, max_len_a: float,
+                          max_len_b: int) -> Hypothesis:
+    """The search as specified, for one sentence: all K beams every step, the whole prefix re-run through
+    model(src, tgt_in), stopping when the best finished score reaches the best live hypothesis's bound."""
+    src_row = src_row[src_row != PAD][None]
+    max_len = max(1, math.floor(max_len_a * src_row.shape[1] + max_len_b))
+    beams, best = [([], 0.0)], None
+    with torch.no_grad():
+        for t in range(1, max_len + 1):
+            cands = []
+            for tokens, lp in beams:
+                log_probs = torch.log_softmax(model(src_row, torch.tensor([[BOS] + tokens]))[0, -1], dim=-1)
+                allowed = [EOS] if t == max_len else range(V)
+                cands += [(lp + log_probs[v].item(), tokens, v) for v in allowed]
+            cands = sorted(cands, key=lambda c: -c[0])[: 2 * K]
+            for lp, tokens, v in cands[:K]:
+                if v == EOS and (best is None or lp / length_penalty(t, alpha) > best.score):
+                    best = Hypothesis(tokens, lp / length_penalty(t, alpha), lp)
+            beams = [(tokens + [v], lp) for lp, tokens, v in cands if v != EOS][:K]
+            reach = max(length_penalty(t + 1, alpha), length_penalty(max_len, alpha))
+            if t == max_len or (best is not None and best.score >= beams[0][1] / reach):
+                return best
+
+
+@pytest.mark.parametrize("beam_size, alpha", [(2, 0.0), (4, 0.6), (3, 1.0)])
+def test_dropping_hypotheses_that_cannot_win_finds_what_the_full_search_finds(beam_size, alpha):
+    """With EOS made likelier, finished hypotheses appear early and live ones fall behind them: the search then
+    decodes fewer than K hypotheses per sentence, and still returns what all K would."""
+    dropped = []
+    for seed in range(3):
+        model = EosBias(tiny_model(seed=10 + seed), 2.0).eval()
+        src = sources([5, 3, 8, 6, 4], seed=seed)
+        hyps = beam_search(model, src, beam_size, alpha, 1.0, 8, BOS, EOS)
+        for row, hyp in zip(src, hyps):
+            ref = reference_beam_search(model, row, beam_size, alpha, 1.0, 8)
+            assert hyp.tokens == ref.tokens and math.isclose(hyp.score, ref.score, rel_tol=1e-4)
+        dropped.append(sum(beam_size * sentences - rows for rows, sentences in model.steps[1:]))
+    assert all(dropped)

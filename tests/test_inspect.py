@@ -12,6 +12,7 @@ import pandas as pd
 import pytest
 import torch
 import yaml
+from mlflow import MlflowClient
 
 from model.config import ModelConfig
 from model.transformer import Transformer
@@ -264,3 +265,26 @@ def test_an_unknown_path_lists_the_layouts_it_knows(tmp_path, capsys):
     assert "not found" in fails(capsys, tmp_path / "nothing")
     write_lines(tmp_path / "raw" / "train.en", ["A line."])
     assert f"holds the stage outputs {tmp_path / 'raw'};" in fails(capsys, tmp_path)
+
+
+def test_mlflow_run_gets_the_view_text_pictures_and_the_sentences_as_a_table(run, tmp_path, capsys):
+    client = MlflowClient()  # the test's own sqlite store (conftest)
+    experiment = client.create_experiment("views", artifact_location=(tmp_path / "artifacts").as_uri())
+    run_id = client.create_run(experiment).info.run_id
+    (run / "metrics" / "eval.json").write_text(json.dumps({"bleu": 12.345, "signature": "nrefs:1|tok:13a"}))
+    printed = inspect(capsys, run / "metrics" / "eval.json", tmp_path / "out", "--mlflow-run", run_id)
+    logged = {a.path for a in client.list_artifacts(run_id, "inspect/eval")}
+    assert logged == {f"inspect/eval/{name}" for name in
+                      ("view.txt", "sentence_chrf.png", "sentences.csv", "sentences.json")}
+    view = (tmp_path / "artifacts" / run_id / "artifacts" / "inspect" / "eval" / "view.txt").read_text()
+    assert view == printed and "signature: nrefs:1|tok:13a" in view
+    table = client.load_table(experiment, "inspect/eval/sentences.json", run_ids=[run_id])
+    assert len(table) == len(TEST_EN) + len(VALID_EN)
+    worst = table[table.split == "test"].sort_values("chrf").iloc[0]
+    assert (worst.line, worst.hypothesis) == (BAD_LINE, "Xxx Yyy")
+
+
+def test_mlflow_run_that_does_not_exist_is_one_line(run, capsys):
+    (run / "metrics" / "eval.json").write_text(json.dumps({"bleu": 1.0}))
+    err = fails(capsys, run / "metrics" / "eval.json", "--out", str(run / "out"), "--mlflow-run", "no-such-run")
+    assert err.startswith("inspect: could not log the eval view to MLflow run no-such-run: ")

@@ -169,11 +169,13 @@ def test_incremental_decoding_equals_the_full_pass_also_after_select():
     with torch.no_grad():
         full = model(src, tgt)  # [B, T, V]
         memory, src_mask = model.encode(src)
-        state = model.init_state(memory, src_mask)
-        order = torch.tensor([2, 0, 0])  # reorder and repeat rows halfway, as beam search does
+        state = model.init_state(memory, src_mask, beams=2)
+        # Halfway, as beam search does: sentence 1 leaves, sentence 2's hypothesis moves to beam 1 and
+        # sentence 0's is repeated into both of its beams (rows [2, 0, 0] in grid slots [1, 2, 3]).
+        order = torch.tensor([2, 0, 0])
         for t in range(tgt.shape[1]):
             if t == 3:
-                state = state.select(order)
+                state = state.select(order, torch.tensor([1, 2, 3]), torch.tensor([2, 0]))
             rows = order if t >= 3 else torch.arange(3)
             logits, state = model.decode_step(tgt[rows, t], state)
             assert (logits - full[rows, t]).abs().max() < 1e-5

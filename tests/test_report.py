@@ -26,11 +26,14 @@ def no_global_tracking_uri():
 
 
 def log_pipeline_run(client: MlflowClient, name: str, warmup_steps: int, bleu: float, bleu_tokenized: float,
-                     hours: float, trained: bool = True) -> None:
-    """A pipeline run as pipeline.tracking records one: a tagged parent with the metrics files, a child per stage."""
+                     hours: float, trained: bool = True, seed: int = 1, commit: str = "0123456789abcdef",
+                     **more_metrics: float) -> None:
+    """A pipeline run as pipeline.tracking records one: a tagged parent with the metrics files, a child per stage.
+
+    more_metrics: other metrics of the parent, `train_valid_ppl=5.1` for train.valid_ppl."""
     experiment = client.get_experiment_by_name("transformer-multi30k")
     experiment_id = experiment.experiment_id if experiment else client.create_experiment("transformer-multi30k")
-    tags = {"pipeline_key": f"key-{name}", "git_commit": "0123456789abcdef", "preset": "multi30k_small",
+    tags = {"pipeline_key": f"key-{name}", "git_commit": commit, "preset": "multi30k_small",
             "params_hash": f"hash-{name}", "data_name": "multi30k", "dvc_exp_name": name,
             "train.device": "cpu (2 threads/process)",
             "eval.signature": "nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:2.6.0"}
@@ -40,9 +43,11 @@ def log_pipeline_run(client: MlflowClient, name: str, warmup_steps: int, bleu: f
     metrics = {"train.flops_analytic": 1.1e15 * hours, "train.flops_paper_estimate": 2.4e15 * hours,
                "train.train_hours": hours, "train.devices": 1, "train.peak_flops": 1.0e12, "train.mfu": 0.31,
                "eval.bleu": bleu, "eval.bleu_tokenized": bleu_tokenized, "eval.chrf": 55.0}
+    metrics |= {key.replace("_", ".", 1): value for key, value in more_metrics.items()}
     client.log_batch(parent, metrics=[Metric(k, v, 0, 0) for k, v in metrics.items()])
-    stages = {"train": {"model.d_model": 256, "train.warmup_steps": warmup_steps, "params_hash": f"h-{name}",
-                        "device": "cpu"},
+    stages = {"batch": {"batch.seed": seed, "train.seed": seed},
+              "train": {"model.d_model": 256, "train.warmup_steps": warmup_steps, "train.seed": seed,
+                        "params_hash": f"h-{name}", "device": "cpu"},
               "translate": {"translate.beam_size": 4}}
     for stage, params in stages.items():
         child = client.create_run(experiment_id, tags={"mlflow.parentRunId": parent, "stage": stage},

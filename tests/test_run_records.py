@@ -42,7 +42,7 @@ def story(tmp_path_factory):
     repo = make_repo(root / "repo")
     (repo / ".gitignore").write_text("/data/\n/mlflow.db\n/mlartifacts/\n/other/\n/reports/\n")
     env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "DVC_STAGE", "DVC_ROOT")}
-    env |= {"PATH": f"{VENV_BIN}{os.pathsep}{env['PATH']}", "OMP_NUM_THREADS": "1"}
+    env |= {"PATH": f"{VENV_BIN}{os.pathsep}{env['PATH']}", "OMP_NUM_THREADS": "1", "PIPELINE_VIEWS": "1"}
     www = root / "www"
     www.mkdir()
     runs = {}
@@ -83,7 +83,8 @@ def story(tmp_path_factory):
     columns = [c.strip() for c in header.strip("|").split("|")]
     rows = [dict(zip(columns, [c.strip() for c in line.strip("|").split("|")])) for line in report.splitlines()
             if line.startswith("| synthetic")]
-    return {"runs": runs, "every": every, "report_rows": {row["commit"]: row for row in rows}}
+    return {"runs": runs, "every": every, "report_rows": {row["commit"]: row for row in rows},
+            "uri": f"sqlite:///{repo / 'mlflow.db'}"}
 
 
 @pytest.mark.slow
@@ -100,6 +101,23 @@ def test_a_full_run_has_a_child_run_per_stage_with_its_params_and_metrics(story)
     parent = a["parent"].data
     assert parent.metrics["eval.bleu"] == a["eval"]["bleu"] and parent.metrics["train.steps"] == 10
     assert parent.metrics["download.train_lines"] == 200 and "tokenize.vocab_size" in parent.metrics
+
+
+@pytest.mark.slow
+def test_each_stage_run_holds_its_outputs_view_as_tools_inspect_shows_it(story, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", story["uri"])  # load_table searches the default store, not the client's
+    client = MlflowClient(story["uri"])
+    shown = {"download": "raw/words.png", "tokenize": "tokenized/tokens.png", "batch": "batches/batches.png",
+             "average": "model/view.txt", "translate": "translations/length_ratio.png", "evaluate": "eval/sentences.json"}
+    for stage, run in story["runs"]["A"]["children"].items():
+        logged = {a.path for d in client.list_artifacts(run.info.run_id, "inspect")
+                  for a in client.list_artifacts(run.info.run_id, d.path)}
+        assert logged >= ({f"inspect/{shown[stage]}", f"inspect/{shown[stage].split('/')[0]}/view.txt"}
+                          if stage in shown else set()), (stage, logged)
+        assert stage in shown or not logged
+    evaluate = story["runs"]["A"]["children"]["evaluate"]
+    table = client.load_table(evaluate.info.experiment_id, "inspect/eval/sentences.json", run_ids=[evaluate.info.run_id])
+    assert len(table) == 20 and set(table.split) == {"test", "valid"}
 
 
 @pytest.mark.slow

@@ -286,3 +286,30 @@ def test_a_killed_stage_closes_its_run_and_its_parent_as_killed(tmp_path, sig, k
     runs = [r for r in all_runs(uri) if r.data.tags["params_hash"] == params_hash]
     assert len(runs) == 2 and {r.info.status for r in runs} == {"KILLED"}, [(r.info.run_name, r.info.status)
                                                                              for r in runs]
+
+
+def test_a_finished_stage_logs_its_view_and_a_view_that_fails_costs_one_warning(tmp_path, monkeypatch, caplog):
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("PIPELINE_VIEWS", "1")
+    monkeypatch.setenv("DVC_STAGE", "evaluate")
+    monkeypatch.chdir(tmp_path)
+    translations, raw = write_split_files(tmp_path, HYPS, REFS)
+    for split in REFS:  # the view shows the sources beside the references
+        (raw / f"{split}.en").write_text((raw / f"{split}.de").read_text(encoding="utf-8"), encoding="utf-8")
+    params = evaluate_params(tmp_path / "params.yaml")
+    args = stage_args_of(params, translations=translations, raw=raw, metrics=tmp_path / "metrics" / "eval.json")
+    evaluate.main(["--translations", str(translations), "--raw", str(raw), "--metrics", str(args.metrics),
+                   "--params", str(params)])
+    child = next(r for r in all_runs(uri) if r.data.tags.get("stage") == "evaluate")
+    names = {a.path for a in MlflowClient(uri).list_artifacts(child.info.run_id, "inspect/eval")}
+    assert {"inspect/eval/view.txt", "inspect/eval/sentences.json", "inspect/eval/sentence_chrf.png"} <= names
+
+    (translations / "test.de").unlink()  # the view cannot show the sentences: the stage still finishes, warned once
+    with caplog.at_level(logging.WARNING), tracking.stage_run("evaluate", args):
+        pass
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and warnings[0].startswith("the evaluate view was not logged to MLflow: inspect: "), \
+        warnings
+    assert "test.<lang>: expected one translated test file" in warnings[0]
+    assert {r.info.status for r in all_runs(uri) if r.data.tags.get("stage") == "evaluate"} == {"FINISHED"}

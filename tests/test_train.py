@@ -24,7 +24,8 @@ from model import loss as loss_lib
 from model.schedule import lrate
 from model.config import ModelConfig
 from model.transformer import Transformer
-from pipeline import distributed, steps
+from pipeline import distributed, peak, steps
+from pipeline.files import write_json
 from stages import batch as batch_stage
 from stages import train
 from pipeline.checkpoint import complete_checkpoints, load_checkpoint
@@ -226,11 +227,25 @@ def test_metrics_and_plot_describe_the_run(tmp_path):
     assert metrics["valid_loss"] > metrics["valid_nll"]  # smoothing adds the cross-entropy to the uniform
     for key in ("steps", "train_hours", "tokens_per_second", "device", "devices", "peak_flops"):
         assert key in metrics
+    assert metrics["peak_flops_source"] in ("measured", "cached", "achieved")
     rows = plot_rows(tmp_path)
     assert [r["step"] for r in rows] == ["2", "4", "5"]
     assert rows[0]["valid_ppl"] and rows[2]["valid_ppl"]  # evaluated at 2, 4 and the end
     assert float(rows[2]["valid_ppl"]) == pytest.approx(metrics["valid_ppl"], rel=1e-4)
     assert all(float(r["lr"]) > 0 and float(r["loss"]) > 0 for r in rows)
+
+
+def test_a_run_faster_than_the_cached_peak_raises_it_and_reports_mfu_one(tmp_path, monkeypatch):
+    """A cached peak below what the run achieves (e.g. measured under load) cannot give MFU > 1."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    keys = [peak.cache_key(peak.cpu_name(), threads, "fp32") for threads in range(1, (os.cpu_count() or 1) + 1)]
+    write_json(peak.cache_path(), {key: 1.0 for key in keys})  # 1 FLOP/s, whatever threads the stage takes
+    write_corpus(tmp_path)
+    metrics = run_stage(tmp_path, write_params(tmp_path / "params.yaml", max_steps=2, eval_every=0, checkpoint_every=0))
+    achieved = metrics["flops_analytic"] / metrics["step_seconds"]
+    assert metrics["peak_flops_source"] == "achieved"
+    assert metrics["peak_flops"] == pytest.approx(achieved) and metrics["mfu"] == pytest.approx(1.0)
+    assert max(peak.read_cache(peak.cache_path()).values()) == pytest.approx(achieved)
 
 
 def test_train_json_records_the_real_tokens_per_step_that_batch_json_foretold(tmp_path):
@@ -395,3 +410,19 @@ def test_eight_processes_share_every_batch_once_agree_and_only_rank_0_writes(tmp
     client = MlflowClient(f"sqlite:///{db}")
     runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
     assert sorted(r.data.tags.get("stage", "parent") for r in runs) == ["parent", "train"]
+
+
+AVAILABLE_CORES = distributed.available_cores  # the real one: the fixture above replaces it in every test
+
+
+def test_omp_num_threads_sets_the_training_threads_and_a_bad_value_names_it(monkeypatch):
+    monkeypatch.setattr(distributed, "available_cores", AVAILABLE_CORES)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert distributed.available_cores() == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert distributed.available_cores() == 3
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert distributed.available_cores() == len(os.sched_getaffinity(0))
+    monkeypatch.setenv("OMP_NUM_THREADS", "two")
+    with pytest.raises(ParamsError, match="OMP_NUM_THREADS='two'"):
+        distributed.available_cores()

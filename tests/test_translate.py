@@ -57,6 +57,28 @@ def test_a_sentence_longer_than_max_tokens_gets_a_batch_of_its_own():
     assert [b.tolist() for b in translate.decoding_batches(np.array([2, 50, 3]), 10, 8)] == [[1], [2, 0]]
 
 
+def test_parallel_searches_split_every_batch_so_each_thread_gets_an_equal_share():
+    batches = [np.arange(0, 4), np.arange(4, 9), np.arange(9, 10)]
+    parts, workers, threads = translate.parallel_searches(batches, threads=2, cuda=False)
+    assert (workers, threads) == (2, 1)
+    assert [p.tolist() for p in parts] == [[0, 1], [2, 3], [4, 5, 6], [7, 8], [9]]
+    assert translate.parallel_searches(batches, threads=1, cuda=False) == (batches, 1, 1)
+    assert translate.parallel_searches(batches, threads=2, cuda=True) == (batches, 1, 2)
+    assert translate.parallel_searches([np.arange(1)], threads=4, cuda=False)[1:] == (1, 4)  # one sentence
+
+
+def test_translations_do_not_depend_on_the_number_of_threads(setup):
+    _, tokenized, model_dir = setup
+    model = load_model(model_dir, torch.device("cpu"))
+    encoded = load_split(tokenized, "test", "en")
+    sources = [encoded[i] for i in range(len(encoded))]
+    outputs = []
+    for threads in (1, 2, 3):
+        with translate.torch_threads(threads):
+            outputs.append(translate.translate_ids(model, sources, CFG, progress=False))
+    assert outputs[0] == outputs[1] == outputs[2]
+
+
 def test_main_writes_one_line_per_source_line_in_source_order(tmp_path, setup):
     raw, tokenized, model_dir = setup
     out = run_main(tmp_path, setup)

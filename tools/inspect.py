@@ -28,11 +28,13 @@ and what was expected, and exit status 1.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import io
 import logging
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Callable, TextIO
 
 from pipeline import cli
 from tools.inspect_common import TEXT_FILE, Options
@@ -89,6 +91,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--split", default="test", choices=("test", "valid"), help="translations: the split shown")
     for name in ("raw", "tokenized", "translations"):
         parser.add_argument(f"--{name}", type=Path, help=f"data/{name}, when not beside PATH")
+    parser.add_argument("--mlflow-run", metavar="RUN_ID", help="also log the view (its text, pictures and tables) "
+                        "to this run of $MLFLOW_TRACKING_URI's store, under inspect/<layout>/")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress")
     args = parser.parse_args(argv)
     if args.n < 1:
@@ -113,13 +117,40 @@ def main(argv: list[str] | None = None) -> int:
     opts = Options(out=args.out or Path("reports/inspect") / layout, n=args.n, params=args.params, split=args.split,
                    raw=args.raw, tokenized=args.tokenized, translations=args.translations)
     log.info("%s: the %s view", args.path, layout)
+    text = io.StringIO()
     try:
-        view(args.path, opts)
+        with contextlib.redirect_stdout(Tee(sys.stdout, text)):
+            view(args.path, opts)
     except (OSError, ValueError, KeyError) as e:  # the project's errors (JSON's and InspectError are ValueErrors)
         sys.stdout.flush()
         print(f"inspect: {one_line(e)}", file=sys.stderr)
         return 1
+    if args.mlflow_run:
+        from tools.inspect_mlflow import log_view
+
+        try:
+            log_view(args.mlflow_run, layout, opts.out, text.getvalue())
+        except Exception as e:  # MLflow's errors have no common base: any failure to log is this one line
+            print(f"inspect: could not log the {layout} view to MLflow run {args.mlflow_run}: {one_line(e)}",
+                  file=sys.stderr)
+            return 1
     return 0
+
+
+class Tee(io.TextIOBase):
+    """Writes go to every stream given (the terminal, and the text logged with --mlflow-run)."""
+
+    def __init__(self, *streams: TextIO):
+        self.streams = streams
+
+    def write(self, s: str) -> int:
+        for stream in self.streams:
+            stream.write(s)
+        return len(s)
+
+    def flush(self) -> None:
+        for stream in self.streams:
+            stream.flush()
 
 
 if __name__ == "__main__":

@@ -5,11 +5,21 @@
 Not a DVC stage: it reads every pipeline run in the MLflow store (the tracking
 URI of pipeline.tracking unless given) and writes
 
-    reports/report.md            one row per run: preset, the params that differ
-                                 between runs, the model scored, BLEU both ways,
-                                 training FLOPs three ways, hours, devices; then
-                                 the paper's rows
+    reports/report.md            one row per configuration: its runs (n), preset, the params
+                                 that differ between runs, the models scored, BLEU both
+                                 ways, chrF, valid perplexity, training tokens, training
+                                 FLOPs three ways, hours, devices, the frontier; then the paper's rows
     reports/bleu_vs_flops.png    BLEU against training FLOPs (log x), ours and the paper's
+    reports/bleu_vs_flops.csv    the same table, unformatted: `<column> mean|sd|min|max`
+
+Runs that differ only by seed (tools/seeds.py queues them) are one
+configuration (tools/groups.py): one row and one point, the mean over the seeds;
+BLEU, chrF, valid perplexity and training tokens also show the standard
+deviation and [min, max] (`mean +- sd [min, max]`), and the plot an error bar
+of one standard deviation. `frontier`: the configurations on the best
+BLEU-for-FLOPs frontier, tokenized BLEU against FLOPs counted (which, unlike
+hours, do not depend on the machine or its load): no other has at least the
+BLEU for at most the FLOPs.
 
 Where the numbers live (pipeline/tracking.py): a pipeline run is a parent run
 tagged `pipeline_key` (and preset, git_commit, dvc_exp_name); its metrics are
@@ -19,7 +29,7 @@ child runs, one per stage, under their params.yaml names (model.d_model...).
 Only a pipeline run's own records are there (pipeline/lineage.py); runs by hand
 (tag hand_run) are not pipeline runs and are left out. The `model` column is the
 trained weights' params_hash (train.params_hash: model, train params, data); a
-row shows BLEU and chrF only beside the model they came from.
+run's BLEU and chrF count only beside the model they came from.
 
 Training FLOPs three ways:
     counted      train.flops_analytic: the model's matmul FLOPs x 3 over every token trained on
@@ -40,6 +50,7 @@ from matplotlib.figure import Figure
 
 from pipeline import cli, tracking
 from pipeline.files import write_bytes, write_text
+from tools import groups
 
 log = logging.getLogger(__name__)
 
@@ -57,12 +68,16 @@ COLUMNS = {  # report column -> (parent run column, format)
     "BLEU (sacreBLEU)": ("metrics.eval.bleu", "{:.2f}"),
     "BLEU (tokenized, as the paper)": ("metrics.eval.bleu_tokenized", "{:.2f}"),
     "chrF": ("metrics.eval.chrf", "{:.1f}"),
+    "valid ppl": ("metrics.train.valid_ppl", "{:.2f}"),
+    "train tokens": ("metrics.train.train_tokens", "{:,.0f}"),
     "hours": ("metrics.train.train_hours", "{:.2f}"),
     "FLOPs counted": ("metrics.train.flops_analytic", "{:.2e}"),
     "FLOPs paper's way": ("metrics.train.flops_paper_estimate", "{:.2e}"),
     "FLOPs at peak": ("flops_at_peak", "{:.2e}"),
     "MFU": ("metrics.train.mfu", "{:.1%}"),
 }
+SPREAD = {"BLEU (sacreBLEU)", "BLEU (tokenized, as the paper)", "chrF", "valid ppl", "train tokens"}  # sd, min, max
+FRONTIER = ("FLOPs counted", "BLEU (tokenized, as the paper)")  # cost, quality
 
 
 def column(runs: pd.DataFrame, name: str) -> pd.Series:
@@ -107,18 +122,37 @@ def device(run: pd.Series) -> str:
     return "-" if name is None or pd.isna(name) else f"{fmt(n, '{:.0f}')} x {name}"
 
 
-def report_table(runs: pd.DataFrame) -> pd.DataFrame:
-    """The report's table, one formatted row per run."""
+def configurations(runs: pd.DataFrame) -> pd.DataFrame:
+    """One row per configuration (runs that differ only by seed), unformatted, with the frontier: the CSV."""
+    runs = runs.assign(_commit=column(runs, "tags.git_commit").str[:8], _model=column(runs, MODEL).str[:8],
+                       _device=[device(run) for _, run in runs.iterrows()])
+    scores = [source for label, (source, _) in COLUMNS.items() if label in SCORES and source in runs]
+    runs.loc[runs[MODEL].isna() if MODEL in runs else runs.index, scores] = float("nan")  # no model, no scores
+    labels = {"preset": "tags.preset", "commit": "_commit"}
+    labels |= {c.removeprefix("params."): c for c in differing_params(runs)}
+    table = groups.summarize(runs, HIDDEN_PARAMS, labels | {"model": "_model", "device": "_device"},
+                             {label: source for label, (source, _) in COLUMNS.items()}, SPREAD)
+    table["frontier"] = groups.on_frontier(*(table[f"{label} mean"] for label in FRONTIER))
+    return table
+
+
+def cell(row: pd.Series, label: str, pattern: str) -> str:
+    """`mean`, or `mean +- sd [min, max]` for a metric that spreads over seeds and has two runs or more."""
+    mean = fmt(row[f"{label} mean"], pattern)
+    if label not in SPREAD or pd.isna(row[f"{label} sd"]):
+        return mean
+    sd, low, high = (fmt(row[f"{label} {stat}"], pattern) for stat in ("sd", "min", "max"))
+    return f"{mean} ± {sd} [{low}, {high}]"
+
+
+def report_table(table: pd.DataFrame) -> pd.DataFrame:
+    """The report's table: configurations() formatted, one row per configuration."""
+    shown = [c for c in table.columns if c not in ("device", "frontier") and not c.endswith(tuple(f" {stat}" for stat in groups.STATS))]
     rows = []
-    for _, run in runs.iterrows():
-        row = {"run": fmt(run.get("tags.mlflow.runName")), "preset": fmt(run.get("tags.preset")),
-               "commit": fmt(run.get("tags.git_commit"))[:8]}
-        row |= {c.removeprefix("params."): fmt(run.get(c)) for c in differing_params(runs)}
-        model = fmt(run.get(MODEL))[:8]
-        row["model"] = model
-        row |= {label: "-" if label in SCORES and model == "-" else fmt(run.get(source), pattern)
-                for label, (source, pattern) in COLUMNS.items()}
-        row["device"] = device(run)
+    for _, config in table.iterrows():
+        row = {c: fmt(config[c]) for c in shown}
+        row |= {label: cell(config, label, pattern) for label, (_, pattern) in COLUMNS.items()}
+        row |= {"device": fmt(config["device"]), "frontier": "yes" if config["frontier"] else ""}
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -128,25 +162,29 @@ def paper_table() -> pd.DataFrame:
                          for s, p, b, f in PAPER_TABLE2])
 
 
-def render_markdown(runs: pd.DataFrame, uri: str) -> str:
-    """reports/report.md."""
+def render_markdown(runs: pd.DataFrame, table: pd.DataFrame, uri: str) -> str:
+    """reports/report.md: the configurations' table (configurations()), formatted."""
     signatures = sorted(set(column(runs, "tags.eval.signature").dropna()))
     lines = [
         "# Runs", "",
-        f"{len(runs)} pipeline run(s) from `{uri}`, oldest first. Params columns are those that differ "
-        "between runs. model: the trained weights' params_hash; BLEU and chrF are shown only beside it. FLOPs: counted = model FLOPs over the tokens trained on; paper's way = hours x devices x "
-        "sustained fp32 TFLOPS (Sec. 6.1); at peak = hours x devices x the device's peak.", "",
-        report_table(runs).to_markdown(index=False, disable_numparse=True), "",
+        f"{len(runs)} pipeline run(s) from `{uri}` as {len(table)} configuration(s), oldest first: runs that differ "
+        "only by seed are one row, n runs, `mean ± sd [min, max]` over them (sd: n - 1). Params columns are those "
+        "that differ between runs. model: the trained weights' params_hash; BLEU and chrF count only beside it. "
+        "FLOPs: counted = model FLOPs over the tokens trained on; paper's way = hours x devices x "
+        "sustained fp32 TFLOPS (Sec. 6.1); at peak = hours x devices x the device's peak. frontier: no other "
+        "configuration has at least its tokenized BLEU for at most its FLOPs counted.", "",
+        report_table(table).to_markdown(index=False, disable_numparse=True), "",
         "sacreBLEU signature(s): " + (", ".join(f"`{s}`" for s in signatures) or "-"), "",
         "# The paper (Table 2, newstest2014)", "",
         paper_table().to_markdown(index=False, disable_numparse=True), "",
         "![BLEU against training FLOPs](bleu_vs_flops.png)", "",
+        "The table as CSV: [bleu_vs_flops.csv](bleu_vs_flops.csv)", "",
     ]
     return "\n".join(lines)
 
 
-def plot_bleu_vs_flops(runs: pd.DataFrame) -> bytes:
-    """PNG: tokenized BLEU against training FLOPs (log x) for our runs and the paper's Table 2."""
+def plot_bleu_vs_flops(table: pd.DataFrame) -> bytes:
+    """PNG: tokenized BLEU (+- sd) against training FLOPs (log x), our configurations, their frontier, the paper's."""
     fig = Figure(figsize=(8, 5.5), dpi=120)
     ax = fig.subplots()
     for pair, marker, color in (("EN-DE", "s", "0.2"), ("EN-FR", "^", "0.55")):
@@ -157,21 +195,25 @@ def plot_bleu_vs_flops(runs: pd.DataFrame) -> bytes:
             size = "big" if "big" in s else "base"
             ax.annotate(f"{size} {pair} {b}", (f, b), textcoords="offset points", xytext=(-8, 8), ha="right",
                         fontsize=8, color=color)
-    bleu = column(runs, "metrics.eval.bleu_tokenized").astype(float)
-    paper_way = column(runs, "metrics.train.flops_paper_estimate").astype(float)
-    counted = column(runs, "metrics.train.flops_analytic").astype(float)
-    scored = column(runs, MODEL).notna()
-    shown = [run_id for run_id in runs.index if scored[run_id] and bleu[run_id] > 0 and paper_way[run_id] > 0]
-    for i, run_id in enumerate(shown):
-        run, color = runs.loc[run_id], f"C{i % 10}"
-        ax.plot(paper_way[run_id], bleu[run_id], "o", color=color, markersize=8,
-                label="ours, FLOPs the paper's way" if i == 0 else None)
-        if counted[run_id] > 0:
-            ax.plot([counted[run_id], paper_way[run_id]], [bleu[run_id]] * 2, color=color, linewidth=0.8)
-            ax.plot(counted[run_id], bleu[run_id], "o", mfc="white", color=color, markersize=8,
-                    label="ours, FLOPs counted" if i == 0 else None)
-        ax.annotate(fmt(run.get("tags.mlflow.runName")), (paper_way[run_id], bleu[run_id]), textcoords="offset points",
-                    xytext=(7, 5), fontsize=8, color=color)
+    quality = FRONTIER[1]
+    bleu, sd = table[f"{quality} mean"].astype(float), table[f"{quality} sd"].astype(float).fillna(0)
+    paper_way = table["FLOPs paper's way mean"].astype(float)
+    counted = table["FLOPs counted mean"].astype(float)
+    shown = [i for i in table.index if bleu[i] > 0 and paper_way[i] > 0]
+    for k, i in enumerate(shown):
+        color = f"C{k % 10}"
+        ax.errorbar(paper_way[i], bleu[i], yerr=sd[i], fmt="o", color=color, markersize=8, capsize=4,
+                    label="ours (± 1 sd over seeds), FLOPs the paper's way" if k == 0 else None)
+        if counted[i] > 0:
+            ax.plot([counted[i], paper_way[i]], [bleu[i]] * 2, color=color, linewidth=0.8)
+            ax.errorbar(counted[i], bleu[i], yerr=sd[i], fmt="o", mfc="white", color=color, markersize=8, capsize=4,
+                        label="ours, FLOPs counted" if k == 0 else None)
+        name = table.at[i, "run"].split(", ")[0] + (f" (n={table.at[i, 'n']})" if table.at[i, "n"] > 1 else "")
+        ax.annotate(name, (paper_way[i], bleu[i]), textcoords="offset points", xytext=(7, 5), fontsize=8, color=color)
+    best = table[table["frontier"]].sort_values("FLOPs counted mean")
+    if len(best):
+        ax.plot(best["FLOPs counted mean"], best[f"{quality} mean"], "*--", color="k", linewidth=0.8, markersize=11,
+                mfc="none", label="BLEU-for-FLOPs frontier (FLOPs counted)")
     ax.set_xscale("log")
     ax.set_xlabel("training FLOPs (log scale)")
     ax.set_ylabel("BLEU (tokenized, compound-split, as the paper)")
@@ -192,9 +234,12 @@ def main(argv: list[str] | None = None) -> None:
     cli.setup_logging()
     uri = args.tracking_uri or tracking.tracking_uri()
     runs = load_runs(uri)
-    write_text(args.out / "report.md", render_markdown(runs, uri))
-    write_bytes(args.out / "bleu_vs_flops.png", plot_bleu_vs_flops(runs))
-    log.info("wrote %s and %s (%d runs)", args.out / "report.md", args.out / "bleu_vs_flops.png", len(runs))
+    table = configurations(runs)
+    write_text(args.out / "report.md", render_markdown(runs, table, uri))
+    write_bytes(args.out / "bleu_vs_flops.png", plot_bleu_vs_flops(table))
+    write_text(args.out / "bleu_vs_flops.csv", table.to_csv(index=False))
+    log.info("wrote %s, %s and %s (%d runs, %d configurations)", args.out / "report.md",
+             args.out / "bleu_vs_flops.png", args.out / "bleu_vs_flops.csv", len(runs), len(table))
 
 
 if __name__ == "__main__":
