@@ -340,8 +340,15 @@ def compose(overrides: list[str] = (), conf_dir: str | Path = CONF_DIR) -> dict:
     return OmegaConf.to_container(cfg, resolve=True)
 
 
+USAGE = """usage: python -m pipeline.config [PARAMS]                     check a params file (default params.yaml)
+       python -m pipeline.config --compose PARAMS [OVERRIDE ...]  compose conf/ into PARAMS, then check it"""
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return
     if argv and argv[0] == "--compose":
         path, overrides = argv[1], argv[2:]
         from pipeline.files import write_text

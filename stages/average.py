@@ -29,7 +29,7 @@ from pipeline import cli, config, tracking
 from pipeline.checkpoint import complete_checkpoints, load_checkpoint
 from pipeline.config import AverageConfig
 from pipeline.errors import PipelineError
-from pipeline.files import atomic_dir, write_json
+from pipeline.files import InputError, atomic_dir, write_json
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +42,8 @@ class AverageError(PipelineError):
 
 def select_checkpoints(directory: Path, last_n: int) -> list[Path]:
     """The newest `last_n` complete checkpoints, oldest first."""
+    if not directory.is_dir():
+        raise InputError(f"{directory}: missing; run the train stage first")
     complete = complete_checkpoints(directory)
     if len(complete) < last_n:
         found = ", ".join(p.name for p in complete) or "none"

@@ -65,12 +65,13 @@ class Scores:
     chrf_signature: str
 
 
-def read_lines(path: Path) -> list[str]:
-    """The lines of a UTF-8 file without their newlines; a missing file is an error naming it."""
+def read_lines(path: Path, written_by: str | None = None) -> list[str]:
+    """The lines of a UTF-8 file without their newlines; a missing file is an error naming it (and the stage
+    `written_by` that writes it, if given)."""
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise EvaluateError(f"{path}: missing") from None
+        raise EvaluateError(f"{path}: missing" + (f"; run the {written_by} stage first" if written_by else "")) from None
     except UnicodeDecodeError as e:
         line = path.read_bytes()[: e.start].count(b"\n") + 1
         raise EvaluateError(f"{path}:{line}: not valid UTF-8 ({e.reason})") from None
@@ -80,7 +81,7 @@ def read_lines(path: Path) -> list[str]:
 
 def read_pair(hyp_path: Path, ref_path: Path) -> tuple[list[str], list[str]]:
     """Hypotheses and references, after checking that there are some and that they align."""
-    hyps, refs = read_lines(hyp_path), read_lines(ref_path)
+    hyps, refs = read_lines(hyp_path, "translate"), read_lines(ref_path, "download")
     if not hyps or len(hyps) != len(refs):
         raise EvaluateError(
             f"{hyp_path} has {len(hyps)} lines but the reference {ref_path} has {len(refs)}: "

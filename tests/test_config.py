@@ -105,3 +105,11 @@ def test_unknown_section_is_refused(tmp_path):
     path = write_params(tmp_path, lambda p: p.update(trian={}))
     with pytest.raises(ParamsError, match="unknown section.*trian"):
         load_all(path)
+
+
+def test_help_prints_the_usage_instead_of_reading_a_file_named_help(capsys):
+    from pipeline.config import main
+
+    main(["--help"])
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m pipeline.config [PARAMS]") and "--compose PARAMS" in out

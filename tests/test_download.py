@@ -514,3 +514,8 @@ def test_an_error_in_a_mirror_copy_names_the_official_url_and_the_mirror_file(si
         site.run(data, mirror=str(mirror))
     assert str(refused.value).startswith(
         f"{data['train'][0]['tgt']['url']} (read from CORPUS_MIRROR copy {copy_read}): line 2: invalid UTF-8")
+    with pytest.raises(fetch.ChecksumError) as refused:  # the same copy against the official file's sha256
+        site.run(mirror=str(mirror))
+    assert str(refused.value).startswith(
+        f"{data['train'][0]['tgt']['url']} (read from CORPUS_MIRROR copy {copy_read}): sha256 mismatch: expected ")
+    assert copy_read.read_bytes() == broken  # a mirror's file is never deleted

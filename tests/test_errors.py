@@ -6,6 +6,7 @@ The commands are run as DVC runs them (dvc.yaml's, in a subprocess); Ctrl-C is a
 from __future__ import annotations
 
 import hashlib
+import importlib
 import os
 import re
 import shlex
@@ -20,6 +21,7 @@ import yaml
 
 from pipeline import cli
 from pipeline.config import ParamsError, compose
+from pipeline.errors import PipelineError
 from pipeline.files import OutputError, atomic_dir
 from tests.train_fixtures import ROOT, stage_env, write_corpus, write_params
 
@@ -60,6 +62,32 @@ def test_a_missing_input_is_named_as_missing_in_one_line(tmp_path):
     assert last == "batch: error: data/tokenized/meta.json: missing; run the tokenize stage first"
     assert not [line for line in before if "error" in line.lower() or "Traceback" in line]
     assert not (tmp_path / "data").exists() or list((tmp_path / "data").iterdir()) == []
+
+
+def writers_of_inputs(stage: str) -> set[str]:
+    """The stages whose dvc.yaml outs are `stage`'s data deps."""
+    stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    outs = {out if isinstance(out, str) else next(iter(out)): name for name, s in stages.items() for out in s.get("outs", [])}
+    return {outs[dep] for dep in stages[stage]["deps"] if dep in outs}
+
+
+@pytest.mark.parametrize("stage", [s for s in yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+                                   if writers_of_inputs(s)])
+def test_every_stage_names_a_missing_input_as_missing_and_the_stage_that_writes_it(tmp_path, monkeypatch, stage):
+    """Run in an empty directory, as on a fresh clone: `average` used to say "only 0 complete checkpoint(s)"."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "params.yaml").write_text(yaml.safe_dump(compose([])))
+    monkeypatch.chdir(work)
+    words = dvc_command(stage, work)
+    module = importlib.import_module(words[words.index("-m") + 1])
+    with pytest.raises(PipelineError) as refused:
+        module.main(words[words.index("-m") + 2 :])
+    said = re.fullmatch(r"(\S+): missing; run the (\w+) stage first|missing raw file\(s\): (\S+), .*; run the "
+                        r"(\w+) stage first", str(refused.value))
+    assert said, str(refused.value)
+    assert (said[2] or said[4]) in writers_of_inputs(stage) and (said[1] or said[3]).startswith("data/"), said[0]
+    assert [p.name for p in work.iterdir()] == ["params.yaml"]  # nothing written
 
 
 def test_the_traceback_is_shown_when_asked_for(tmp_path):

@@ -24,6 +24,7 @@ def log_view(run_id: str, layout: str, out: Path, text: str) -> list[str]:
     """Log the view's text and the files it wrote to `out` to run_id; the artifact paths logged."""
     from mlflow import MlflowClient
 
+    logging.getLogger("mlflow").setLevel(logging.WARNING)  # its INFO lines (creating a store's tables) are noise here
     client = MlflowClient(os.environ.get("MLFLOW_TRACKING_URI"))
     out.mkdir(parents=True, exist_ok=True)
     write_text(out / "view.txt", text)
