@@ -89,3 +89,10 @@ def test_frontier_is_pareto_on_flops_and_bleu():
     # 0: 4 has its BLEU for fewer FLOPs; 2: 1 has more BLEU for the same FLOPs; 3: 1 the same BLEU for fewer;
     # 5: no FLOPs, no place on it
     assert groups.on_frontier(flops, bleu).tolist() == [False, True, False, False, True, False, True]
+
+
+def test_a_param_that_some_runs_lack_is_a_difference_not_an_error():
+    runs = pd.DataFrame({"tags.git_commit": ["c", "c", "c"], "tags.preset": ["p", "p", "p"],
+                         "params.train.seed": ["1", "2", "3"], "params.train.max_minutes": ["40", "40", None]})
+    keys = groups.config_keys(runs, set())
+    assert keys[0] == keys[1] != keys[2]  # the third never logged train params (it only ran the data stages)

@@ -27,7 +27,7 @@ STATS = ("mean", "sd", "min", "max")
 def config_keys(runs: pd.DataFrame, ignored: set[str]) -> pd.Series:
     """Per run, a key that runs differing only by seed (and by `ignored` params) share."""
     params = sorted(c for c in runs.columns if c.startswith("params.") and c not in SEED_PARAMS | ignored)
-    same = runs.reindex(columns=[*SAME_IN_A_GROUP, *params]).astype(str)
+    same = runs.reindex(columns=[*SAME_IN_A_GROUP, *params]).fillna("").astype(str)  # pandas 3 keeps NaN through astype(str)
     return same.apply(lambda row: "\x1f".join(row), axis=1) if len(same.columns) else pd.Series("", runs.index)
 
 

@@ -108,7 +108,7 @@ def load_runs(uri: str) -> pd.DataFrame:
 def differing_params(runs: pd.DataFrame) -> list[str]:
     """The params columns whose values are not the same in every run (a missing value counts as a value)."""
     params = [c for c in runs.columns if c.startswith("params.") and c not in HIDDEN_PARAMS]
-    return sorted(c for c in params if runs[c].astype(str).nunique() > 1)
+    return sorted(c for c in params if runs[c].fillna("").astype(str).nunique() > 1)
 
 
 def fmt(value: object, pattern: str = "{}") -> str:
