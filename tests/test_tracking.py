@@ -269,8 +269,10 @@ def test_a_killed_stage_closes_its_run_and_its_parent_as_killed(tmp_path, sig, k
     params = write_params(tmp_path / "params.yaml", max_steps=100_000 + sig, log_every=1)
     params_hash = hashlib.sha256(params.read_bytes()).hexdigest()
     env = stage_env(MLFLOW_TRACKING_URI=uri, DVC_STAGE="train", DVC_ROOT=str(tmp_path), OMP_NUM_THREADS="1")
+    # SIGINT as a terminal delivers it: a shell starts background jobs with SIGINT ignored, and a child inherits that
     proc = subprocess.Popen([sys.executable, "-m", "stages.train", *stage_args(tmp_path, params)], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 120
         while not list((tmp_path / "checkpoints").glob("*.sha256")):
