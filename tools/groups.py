@@ -24,12 +24,17 @@ SAME_IN_A_GROUP = ("tags.git_commit", "tags.preset")
 STATS = ("mean", "sd", "min", "max")
 
 
+def varies(runs: pd.DataFrame, column: str) -> bool:
+    """Whether two runs logged `column` differently (a run that never logged it is left out, not a value)."""
+    return runs[column].dropna().astype(str).nunique() > 1
+
+
 def config_keys(runs: pd.DataFrame, ignored: set[str]) -> pd.Series:
     """Per run, a key that runs differing only by seed (and by `ignored` params) share."""
     # A param that no two runs log differently tells no configurations apart: a run that DVC served a stage from
     # its cache never logged that stage's params (missing is not a value), so it is left out of the key.
     params = sorted(c for c in runs.columns if c.startswith("params.") and c not in SEED_PARAMS | ignored
-                    and runs[c].dropna().astype(str).nunique() > 1)
+                    and varies(runs, c))
     same = runs.reindex(columns=[*SAME_IN_A_GROUP, *params]).fillna("").astype(str)  # pandas 3 keeps NaN through astype(str)
     return same.apply(lambda row: "\x1f".join(row), axis=1) if len(same.columns) else pd.Series("", runs.index)
 

@@ -108,7 +108,7 @@ def load_runs(uri: str) -> pd.DataFrame:
 def differing_params(runs: pd.DataFrame) -> list[str]:
     """The params columns whose values are not the same in every run (runs that never logged one are left out)."""
     params = [c for c in runs.columns if c.startswith("params.") and c not in HIDDEN_PARAMS]
-    return sorted(c for c in params if runs[c].dropna().astype(str).nunique() > 1)
+    return sorted(c for c in params if groups.varies(runs, c))
 
 
 def fmt(value: object, pattern: str = "{}") -> str:
