@@ -60,7 +60,36 @@ def test_an_unreadable_cache_is_measured_again_and_rewritten(tmp_path, caplog):
     assert peak.read_cache(path) == {"k": 3.0e11}
 
 
+EPYC = "processor\t: 0\nmodel name\t: AMD EPYC\ncpu MHz\t\t: 2445.406\nflags\t\t: fpu sse2 avx fma avx2\n"
+
+
+@pytest.mark.parametrize("flags, per_cycle", [("sse2 avx fma avx2", 32), ("sse2 avx fma avx2 avx512f", 64),
+                                              ("sse2 avx avx2", 16), ("sse2 avx", 16), ("sse2", 8)])
+def test_a_cpus_nominal_peak_is_threads_times_clock_times_its_fma_width(flags, per_cycle):
+    text = EPYC.replace("fpu sse2 avx fma avx2", flags)
+    assert peak.nominal_cpu_peak(2, text) == pytest.approx(2 * 2445.406e6 * per_cycle)
+    assert peak.nominal_cpu_peak(1, text) == pytest.approx(2445.406e6 * per_cycle)
+
+
+@pytest.mark.parametrize("text", ["", "model name\t: some arm\nFeatures\t: fp asimd\n",
+                                  EPYC.replace("2445.406", "unknown"), EPYC.replace("fpu sse2 avx fma avx2", "fpu")])
+def test_a_cpu_without_clock_or_known_flags_has_no_nominal_peak(text):
+    assert peak.nominal_cpu_peak(2, text) is None
+
+
+def test_a_cpu_run_takes_its_nominal_peak_whatever_the_load(tmp_path, monkeypatch):
+    read = peak.cpuinfo
+    monkeypatch.setattr(peak, "cpuinfo", lambda field, text=None: read(field, EPYC))
+    monkeypatch.setattr(peak, "measured_peak", lambda *a: pytest.fail("measured despite a nominal figure"))
+    found = peak.peak_flops(CPU, tmp_path / "peak.json")
+    threads = torch.get_num_threads()
+    assert (found.flops, found.source, found.key) == (pytest.approx(threads * 2445.406e6 * 32), "nominal", None)
+    assert found.fp32_tflops == pytest.approx(found.flops / 1e12) and found.device == f"AMD EPYC ({threads} threads/process)"
+    assert not (tmp_path / "peak.json").exists()  # a nominal figure is not cached
+
+
 def test_a_cpu_run_takes_the_cached_peak_without_measuring(tmp_path, monkeypatch):
+    monkeypatch.setattr(peak, "nominal_cpu_peak", lambda threads, text=None: None)  # e.g. no /proc/cpuinfo
     path = tmp_path / "peak.json"
     key = peak.cache_key(peak.cpu_name(), torch.get_num_threads(), "fp32")
     path.write_text(json.dumps({key: 1.23e11}))

@@ -227,7 +227,7 @@ def test_metrics_and_plot_describe_the_run(tmp_path):
     assert metrics["valid_loss"] > metrics["valid_nll"]  # smoothing adds the cross-entropy to the uniform
     for key in ("steps", "train_hours", "tokens_per_second", "device", "devices", "peak_flops"):
         assert key in metrics
-    assert metrics["peak_flops_source"] in ("measured", "cached", "achieved")
+    assert metrics["peak_flops_source"] in ("nominal", "measured", "cached", "achieved")
     rows = plot_rows(tmp_path)
     assert [r["step"] for r in rows] == ["2", "4", "5"]
     assert rows[0]["valid_ppl"] and rows[2]["valid_ppl"]  # evaluated at 2, 4 and the end
