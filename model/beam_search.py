@@ -58,22 +58,58 @@ def _start(model, src: Tensor, beam_size: int, use_cache: bool):
     return model.init_state(memory, src_mask, beam_size) if use_cache else _PrefixState(memory, src_mask)
 
 
-def _next_log_probs(model, prefix: Tensor, state, use_cache: bool):
-    """Log-probabilities of the next token after each row of `prefix` ([R, t], BOS first): ([R, V], state)."""
+def _next_logits(model, prefix: Tensor, state, use_cache: bool):
+    """Logits of the next token after each row of `prefix` ([R, t], BOS first): ([R, V] float, state)."""
     if use_cache:
         logits, state = model.decode_step(prefix[:, -1], state)
     else:
         logits = model.project(model.decode(prefix, state.memory, state.src_mask)[:, -1])
-    return torch.log_softmax(logits.float(), dim=-1), state
+    return logits.float().contiguous(), state
 
 
-def _force_eos(log_probs: Tensor, at_max: Tensor, eos_id: int) -> Tensor:
-    """Rows `at_max` ([R] bool) may only emit EOS (keeping EOS's own log-probability)."""
-    if not at_max.any():
-        return log_probs
-    forced = torch.full_like(log_probs, float("-inf"))
-    forced[:, eos_id] = log_probs[:, eos_id]
-    return torch.where(at_max[:, None], forced, log_probs)
+def top_log_probs(logits: Tensor, k: int, block: int = 64) -> tuple[Tensor, Tensor]:
+    """log_softmax(logits).topk(k, dim=1) for logits [R, V] (contiguous; overwritten): ([R, k], [R, k]).
+
+    The vocabulary is cut into blocks of `block` tokens: the k best tokens of a
+    row lie in the k blocks with the highest maxima (a block ranked below k
+    others has k tokens above its best), so the search for them reads k blocks
+    instead of V tokens; the normaliser is one pass of exp over the row. On the
+    default's [500, 5000] decoding steps this took about half the time of
+    log_softmax + topk (the full-row topk alone cost more than the softmax).
+    """
+    R, V = logits.shape
+    n = V // block
+    if n <= k:
+        return torch.log_softmax(logits, dim=-1).topk(k, dim=1)
+    maxima = logits[:, : n * block].view(R, n, block).amax(dim=2)  # [R, n]
+    best_blocks = maxima.topk(k, dim=1).indices  # [R, k]
+    starts = (best_blocks * block + torch.arange(R, device=logits.device)[:, None] * V).flatten()
+    candidates = logits.view(-1).unfold(0, block, 1).index_select(0, starts).view(R, k * block)
+    ids = (best_blocks[:, :, None] * block + torch.arange(block, device=logits.device)).view(R, k * block)
+    m = maxima.amax(dim=1, keepdim=True)
+    if n * block < V:  # the last V % block tokens are candidates too
+        tail = logits[:, n * block :]
+        candidates = torch.cat([candidates, tail], dim=1)
+        ids = torch.cat([ids, torch.arange(n * block, V, device=logits.device).expand(R, -1)], dim=1)
+        m = torch.maximum(m, tail.amax(dim=1, keepdim=True))
+    top, pos = candidates.topk(k, dim=1)
+    log_z = logits.sub_(m).exp_().sum(dim=1, keepdim=True).log_()
+    return top.sub_(m).sub_(log_z), ids.gather(1, pos)
+
+
+def _top_extensions(logits: Tensor, k: int, at_max: Tensor, eos_id: int) -> tuple[Tensor, Tensor]:
+    """The k best next tokens of each row and their log-probabilities; rows `at_max` ([R] bool) may only emit
+    EOS (keeping EOS's own log-probability; the other k - 1 entries are -inf)."""
+    forced = at_max.any()
+    if forced:
+        eos_lp = torch.log_softmax(logits[at_max], dim=-1)[:, eos_id]
+    top_lp, top_tok = top_log_probs(logits, k)
+    if forced:  # EOS first, then k - 1 other tokens at -inf (a row holds each token once)
+        others = torch.arange(k - 1, device=logits.device)
+        top_tok[at_max] = torch.cat([others.new_tensor([eos_id]), others + (others >= eos_id).long()])
+        top_lp[at_max] = float("-inf")
+        top_lp[at_max, 0] = eos_lp
+    return top_lp, top_tok
 
 
 def max_lengths(src: Tensor, pad_id: int, max_len_a: float, max_len_b: int) -> Tensor:
@@ -143,9 +179,9 @@ def beam_search(
         while alive.numel():
             t += 1  # tokens generated after this step
             n = alive.numel()
-            log_probs, state = _next_log_probs(model, prefix, state, use_cache)  # [R, V]
-            log_probs = _force_eos(log_probs, (max_len[alive] == t)[slot // K], eos_id)
-            top_lp, top_tok = log_probs.topk(min(2 * K, log_probs.shape[-1]), dim=1)  # [R, C], best first
+            logits, state = _next_logits(model, prefix, state, use_cache)  # [R, V]
+            top_lp, top_tok = _top_extensions(logits, min(2 * K, logits.shape[-1]), (max_len[alive] == t)[slot // K],
+                                              eos_id)  # [R, C], best first
             # The 2K best extensions of each sentence are among its rows' C best: gather them in the
             # [n, K] grid of beam slots (-inf where a slot holds no hypothesis), then pick per sentence.
             C = top_lp.shape[1]

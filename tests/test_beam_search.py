@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from model.beam_search import Hypothesis, beam_search, length_penalty
+from model.beam_search import Hypothesis, _top_extensions, beam_search, length_penalty, top_log_probs
 from model.config import ModelConfig
 from model.transformer import Transformer
 
@@ -261,3 +261,24 @@ def test_dropping_hypotheses_that_cannot_win_finds_what_the_full_search_finds(be
             assert hyp.tokens == ref.tokens and math.isclose(hyp.score, ref.score, rel_tol=1e-4)
         dropped.append(sum(beam_size * sentences - rows for rows, sentences in model.steps[1:]))
     assert all(dropped)
+
+
+@pytest.mark.parametrize("vocab, k", [(5000, 8), (5003, 8), (37000, 8), (640, 2), (100, 8), (7, 7)])
+def test_top_log_probs_equal_log_softmax_then_topk(vocab, k):
+    logits = torch.randn(50, vocab, generator=torch.Generator().manual_seed(vocab)) * 4
+    logits[3, vocab - 1] = 40.0  # a best token in the last, partial block
+    expected_lp, expected_ids = torch.log_softmax(logits, dim=-1).topk(k, dim=1)
+    lp, ids = top_log_probs(logits.clone(), k)
+    assert torch.equal(ids, expected_ids)
+    torch.testing.assert_close(lp, expected_lp, rtol=0, atol=1e-4)
+
+
+def test_a_row_at_its_length_limit_offers_eos_alone_with_its_own_log_probability():
+    logits = torch.randn(3, 300, generator=torch.Generator().manual_seed(0))
+    at_max = torch.tensor([False, True, False])
+    lp, tok = _top_extensions(logits.clone(), 4, at_max, eos_id=2)
+    expected_lp, expected_tok = torch.log_softmax(logits, dim=-1).topk(4, dim=1)
+    assert torch.equal(tok[[0, 2]], expected_tok[[0, 2]])
+    assert tok[1, 0] == 2 and (tok[1, 1:] != 2).all() and len(set(tok[1].tolist())) == 4
+    torch.testing.assert_close(lp[1, 0], torch.log_softmax(logits[1], dim=-1)[2])
+    assert torch.isinf(lp[1, 1:]).all()
