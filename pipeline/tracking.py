@@ -104,7 +104,7 @@ def git_commit(directory: Path) -> str:
 
 
 def model_size(model: dict) -> str:
-    """The conf/model preset (small, base, big) whose shape (ModelConfig.shape) the model section has, else 'custom'."""
+    """The conf/model preset (small, base, big, tiny) whose shape (ModelConfig.shape) the model section has, else 'custom'."""
     from model.config import ModelConfig
     from pipeline.config import CONF_DIR
 
