@@ -7,7 +7,7 @@ train.devices=1: vocabulary 37000, batch.max_tokens 3125, gradient
 accumulation 8, so ~25000 target tokens per step on one GPU, as the presets
 say), on synthetic batches shaped like WMT14 en-de's (bench.train_throughput's
 synthetic_corpus: source ~ N(28, 14) tokens, at most 250, bucketed by
-pipeline.batching.make_batches), it times pipeline.trainer.train_step (with
+pipeline.batching.make_batches), it times pipeline.optimizer.train_step (with
 build_optimizer, model.loss.SmoothedLoss and the autocast and gradient scaler
 the trainer picks: bf16 where the GPU has it) and prints per model: target
 tokens/s, MFU (analytic FLOPs, model.flops, over the device's peak at that
@@ -40,7 +40,7 @@ from pipeline.config import TrainConfig, TranslateConfig
 from pipeline.formats import Ragged
 from pipeline.loader import collate
 from pipeline.steps import grad_accumulation
-from pipeline.trainer import build_optimizer, train_step
+from pipeline.optimizer import build_optimizer, train_step
 from pipeline.batching import make_batches
 from stages.translate import translate_ids
 

@@ -8,7 +8,7 @@ The default model (conf/ composed with no overrides: the `small` preset) with an
 source, plus EOS/BOS), bucketed by pipeline.batching.make_batches at
 batch.max_tokens = 2500, one batch per step.
 
-  ours      pipeline.trainer.train_step with build_optimizer (what the train
+  ours      pipeline.optimizer.train_step with build_optimizer (what the train
             stage runs): SmoothedLoss (projection and loss on real target
             tokens only), fused Adam, the paper's dropout placement.
   baseline  torch.nn.Transformer(d_model, nhead, layers, dim_feedforward,
@@ -49,7 +49,7 @@ from pipeline import config, distributed
 from pipeline.config import TrainConfig
 from pipeline.formats import PAD_ID, Ragged
 from pipeline.loader import Batch, collate
-from pipeline.trainer import build_optimizer, train_step
+from pipeline.optimizer import build_optimizer, train_step
 from pipeline.batching import make_batches
 
 VOCAB = 8000
