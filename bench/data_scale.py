@@ -18,7 +18,7 @@
    calls them, printing wall time and peak memory (maxrss from wait4) per phase,
    the padding efficiency and the real source and target tokens per step.
 3. Tokenizes Multi30k as the default preset does and prints the padding
-   efficiency of stages.batch at max_tokens 2500 and 6000 beside the naive
+   efficiency of pipeline.batching at max_tokens 2500 and 6000 beside the naive
    baseline (sort by (target, source) length, fill greedily), measured here.
 
 Targets on a 2-core machine: tokenize + batch of 4.5M pairs under 15 minutes and

@@ -15,7 +15,7 @@ anything is queued.
 Which seeds vary: the training's randomness, and only it.
     train.seed   the initial weights, the dropout masks and each epoch's batch
                  order (pipeline/trainer.py, pipeline/steps.epoch_order)
-    batch.seed   which pairs of equal lengths share a batch (stages/batch.py)
+    batch.seed   which pairs of equal lengths share a batch (pipeline/batching.py)
 tokenize.seed stays as it is: it picks the sentences sentencepiece learns the
 vocabulary from (when tokenize.input_sentence_size > 0); keeping it makes every
 seed train and score on the same tokens, so the spread measures training noise
