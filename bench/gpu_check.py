@@ -7,7 +7,7 @@ train.devices=1: vocabulary 37000, batch.max_tokens 3125, gradient
 accumulation 8, so ~25000 target tokens per step on one GPU, as the presets
 say), on synthetic batches shaped like WMT14 en-de's (bench.train_throughput's
 synthetic_corpus: source ~ N(28, 14) tokens, at most 250, bucketed by
-stages.batch.make_batches), it times pipeline.trainer.train_step (with
+pipeline.batching.make_batches), it times pipeline.optimizer.train_step (with
 build_optimizer, model.loss.SmoothedLoss and the autocast and gradient scaler
 the trainer picks: bf16 where the GPU has it) and prints per model: target
 tokens/s, MFU (analytic FLOPs, model.flops, over the device's peak at that
@@ -40,13 +40,12 @@ from pipeline.config import TrainConfig, TranslateConfig
 from pipeline.formats import Ragged
 from pipeline.loader import collate
 from pipeline.steps import grad_accumulation
-from pipeline.trainer import build_optimizer, train_step
-from stages.batch import make_batches
+from pipeline.optimizer import build_optimizer, train_step
+from pipeline.batching import make_batches
 from stages.translate import translate_ids
 
 WMT_MEAN, WMT_SD, WMT_LONGEST = 28, 14, 250  # BPE tokens per WMT14 en-de sentence (approximate), tokenize.max_len
-TINY = ["model.n_layers=1", "model.d_model=32", "model.d_ff=64", "model.n_heads=2", "model.d_k=16", "model.d_v=16",
-        "tokenize.vocab_size=100", "batch.max_tokens=512", "train.tokens_per_step=1024"]  # --tiny: the code, on a CPU
+TINY = ["model=tiny", "tokenize.vocab_size=100", "batch.max_tokens=512", "train.tokens_per_step=1024"]  # --tiny: on a CPU
 
 
 @dataclass

@@ -39,7 +39,7 @@ from pipeline.loader import TrainingData
 from pipeline.tracking import StageRun
 from pipeline.trainer import Trainer
 from stages import batch
-from stages.evaluate import read_lines, score
+from pipeline.scoring import read_lines, score
 from stages.translate import detokenize, translate_ids
 
 

@@ -5,10 +5,10 @@
 The default model (conf/ composed with no overrides: the `small` preset) with an
 8000-token vocabulary, trained on synthetic batches shaped like Multi30k's
 (29000 pairs, source ~ 14 +- 5 tokens, target ~ 15 +- 6 and following the
-source, plus EOS/BOS), bucketed by stages.batch.make_batches at
+source, plus EOS/BOS), bucketed by pipeline.batching.make_batches at
 batch.max_tokens = 2500, one batch per step.
 
-  ours      pipeline.trainer.train_step with build_optimizer (what the train
+  ours      pipeline.optimizer.train_step with build_optimizer (what the train
             stage runs): SmoothedLoss (projection and loss on real target
             tokens only), fused Adam, the paper's dropout placement.
   baseline  torch.nn.Transformer(d_model, nhead, layers, dim_feedforward,
@@ -49,8 +49,8 @@ from pipeline import config, distributed
 from pipeline.config import TrainConfig
 from pipeline.formats import PAD_ID, Ragged
 from pipeline.loader import Batch, collate
-from pipeline.trainer import build_optimizer, train_step
-from stages.batch import make_batches
+from pipeline.optimizer import build_optimizer, train_step
+from pipeline.batching import make_batches
 
 VOCAB = 8000
 MAX_TOKENS = 2500

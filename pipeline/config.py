@@ -57,7 +57,7 @@ def url_parts(url: str) -> tuple[str, str]:
     return parts.netloc, path
 
 
-def _is_url(url: str) -> bool:
+def _is_file_url(url: str) -> bool:
     try:
         return bool(url_parts(url))
     except ValueError:
@@ -67,7 +67,7 @@ def _is_url(url: str) -> bool:
 FORMATS: dict[str, tuple[Callable[[str], bool], str]] = {
     "name": (re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*").fullmatch, "letters, digits, '.', '_' or '-'"),
     "lang": (re.compile(r"[a-z]{2,3}").fullmatch, "a 2- or 3-letter lowercase language code"),
-    "url": (_is_url, "an http(s) URL of a file"),
+    "url": (_is_file_url, "an http(s) URL of a file"),
     "member": (safe_relpath, "a relative path inside the archive, without '..'"),
     "sha256": (re.compile(r"[0-9a-f]{64}").fullmatch, "64 lowercase hex digits"),
 }

@@ -21,7 +21,7 @@ ENV = "TRANSFORMER_FAULT"
 POINTS = ("step", "checkpoint_write", "validation")
 
 
-def parse(spec: str) -> set[tuple[str, int]]:
+def parse_spec(spec: str) -> set[tuple[str, int]]:
     """'point@step,...' -> {(point, step)}; an unknown point or a step that is not an integer is an error."""
     faults = set()
     for item in filter(None, (s.strip() for s in spec.split(","))):
@@ -35,6 +35,6 @@ def parse(spec: str) -> set[tuple[str, int]]:
 def inject(point: str, step: int) -> None:
     """SIGKILL this process if $TRANSFORMER_FAULT names `point@step`; otherwise do nothing."""
     spec = os.environ.get(ENV)
-    if spec and (point, step) in parse(spec):
+    if spec and (point, step) in parse_spec(spec):
         print(f"{ENV}: SIGKILL at {point}@{step}", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)

@@ -183,12 +183,12 @@ def download(url: str, dest: Path, session: requests.Session) -> None:
 def mirror_from_env() -> str | None:
     """CORPUS_MIRROR: an http(s) base URL, an existing directory, or unset."""
     mirror = os.environ.get(MIRROR_ENV) or None
-    if mirror and not _is_url(mirror) and not Path(mirror).is_dir():
+    if mirror and not _is_http_mirror(mirror) and not Path(mirror).is_dir():
         raise DownloadError(f"{MIRROR_ENV}={mirror}: not a directory or an http(s) base URL")
     return mirror
 
 
-def _is_url(mirror: str) -> bool:
+def _is_http_mirror(mirror: str) -> bool:
     """True for an http(s) mirror, False for a mirror directory."""
     return mirror.startswith(("http://", "https://"))
 
@@ -219,7 +219,7 @@ def _try_mirror(url: str, mirror_url: str, dest: Path, session: requests.Session
 
 def fetch_file(source: FileSource, cache: Path, mirror: str | None, session: requests.Session) -> Local:
     """The verified local copy of a plain (non-archive) source: mirror dir, else cache, else download."""
-    if mirror and not _is_url(mirror):
+    if mirror and not _is_http_mirror(mirror):
         local = _mirror_path(mirror, source.url)
         if local.is_file():
             log.info("%s: from %s", source.url, local)
@@ -232,7 +232,7 @@ def fetch_file(source: FileSource, cache: Path, mirror: str | None, session: req
             return verify(dest, source, delete=True)
         except ChecksumError as e:
             log.warning("stale cache, downloading again: %s", e)
-    origin = _mirror_url(mirror, source.url) if mirror and _is_url(mirror) else None
+    origin = _mirror_url(mirror, source.url) if mirror and _is_http_mirror(mirror) else None
     if not (origin and _try_mirror(source.url, origin, dest, session)):
         origin = None
         download(source.url, dest, session)
@@ -246,7 +246,7 @@ def fetch_members(
     label = f"{url} (archive)"
     host, path = url_parts(url)
     archive: Path | None = None  # set if the mirror holds the archive file itself
-    if mirror and not _is_url(mirror):
+    if mirror and not _is_http_mirror(mirror):
         root = _mirror_path(mirror, url)
         if root.is_dir():  # the members, unpacked
             log.info("%s: members from %s", url, root)
@@ -268,7 +268,7 @@ def fetch_members(
                 log.warning("stale cache, fetching again: %s", e)
                 (cache / "files" / host / path).unlink(missing_ok=True)
     todo = [s for s in sources if s not in out]
-    if todo and mirror and _is_url(mirror):
+    if todo and mirror and _is_http_mirror(mirror):
         for s in todo:
             member_url = f"{_mirror_url(mirror, url)}/{urllib.parse.quote(s.member)}"
             if _try_mirror(label_of(s), member_url, members / s.member, session):
@@ -310,9 +310,9 @@ def _unavailable(url: str, members: list[str], cache: Path, mirror: str | None, 
     if (cache / "files" / host / path).exists() or members and all((cache / "members" / host / path / m).exists()
                                                                    for m in members):
         return None
-    if mirror and not _is_url(mirror) and _mirror_path(mirror, url).exists():
+    if mirror and not _is_http_mirror(mirror) and _mirror_path(mirror, url).exists():
         return None  # a mirror directory missing some members is refused, naming them, when fetched
-    if mirror and _is_url(mirror):
+    if mirror and _is_http_mirror(mirror):
         mirrored = [f"{_mirror_url(mirror, url)}/{urllib.parse.quote(m)}" for m in members] or [_mirror_url(mirror, url)]
         problems = [why for m in mirrored if (why := _why_not(m, session))]
         if not problems:

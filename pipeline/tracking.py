@@ -104,7 +104,7 @@ def git_commit(directory: Path) -> str:
 
 
 def model_size(model: dict) -> str:
-    """The conf/model preset (small, base, big) whose shape (ModelConfig.shape) the model section has, else 'custom'."""
+    """The conf/model preset (small, base, big, tiny) whose shape (ModelConfig.shape) the model section has, else 'custom'."""
     from model.config import ModelConfig
     from pipeline.config import CONF_DIR
 
@@ -349,7 +349,7 @@ def stage_run(stage: str, args: argparse.Namespace, enabled: bool = True) -> Ite
         raise
     finally:
         if status == "FINISHED" and run.active:  # its output as tools.inspect shows it (pipeline/views.py)
-            views.log_view(stage, path_arguments(args), uri, run_id)
+            views.log_stage_view(stage, path_arguments(args), uri, run_id)
         run._call(lambda: client.set_terminated(run_id, status=status))
         if status == "FINISHED" and parent.active:  # its own --metrics file, and downstream ones DVC will skip
             own = [path_arguments(args)["metrics"]] if "metrics" in path_arguments(args) else []

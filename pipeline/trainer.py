@@ -33,7 +33,6 @@ trained on and a checksum of its parameters to DIR/rank<r>.jsonl (tests).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
@@ -60,6 +59,7 @@ from pipeline.distributed import Dist
 from pipeline.files import write_text
 from pipeline.formats import batch_paths
 from pipeline.loader import Batch, Prefetcher, TrainingData
+from pipeline.optimizer import build_optimizer, train_step
 
 log = logging.getLogger(__name__)
 
@@ -70,12 +70,6 @@ PLOT_COLUMNS = ("step", "loss", "lr", "tokens_per_second", "valid_ppl")
 NOT_WEIGHT_SHAPING = ("max_steps", "max_minutes", "eval_every", "log_every",
                       "checkpoint_minutes", "checkpoint_every", "keep_checkpoints", "devices", "timeout_minutes")
 TRACE_ENV = "STAGES_TRAIN_TRACE"
-
-
-def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """Adam with the paper's betas and epsilon (Sec. 5.3); the learning rate is set before every step."""
-    return torch.optim.Adam(model.parameters(), lr=0.0, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
-                            fused=True)
 
 
 @torch.no_grad()
@@ -95,34 +89,6 @@ def validate(model: Transformer, batches: list[Batch], label_smoothing: float, c
     smoothed, nll, tokens = distributed.all_sum(sums, ctx).tolist()
     tokens = max(tokens, 1.0)
     return {"valid_loss": smoothed / tokens, "valid_nll": nll / tokens, "valid_ppl": math.exp(nll / tokens)}
-
-
-def train_step(loss_model: nn.Module, optimizer: torch.optim.Optimizer, micro: list[tuple[Batch, bool]],
-               global_tokens: int, lr: float, ctx: Dist, autocast, scaler: torch.amp.GradScaler) -> Tensor:
-    """Accumulate the gradients of this rank's micro-batches, then one Adam update; returns this rank's summed loss.
-
-    Each micro-batch's summed loss is scaled by world / global_tokens: DDP
-    averages gradients over the world, so the update is the gradient of the
-    step's summed loss over its real target tokens on all ranks. A padding
-    micro-batch (False: none left for this rank at an epoch's tail) is weighted
-    0, so the rank still joins the all-reduce without changing the update.
-    `scaler` scales the loss for fp16 (a disabled scaler passes everything through).
-    """
-    scale = ctx.world / global_tokens
-    total = torch.zeros((), device=ctx.device)
-    for i, (batch, real) in enumerate(micro):
-        sync = i == len(micro) - 1 or not isinstance(loss_model, DistributedDataParallel)
-        with (contextlib.nullcontext() if sync else loss_model.no_sync()), autocast:
-            loss = loss_model(batch.src, batch.tgt_in, batch.labels, batch.tokens)
-        scaler.scale(loss * (scale if real else 0.0)).backward()
-        if real:
-            total += loss.detach().float()
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    scaler.step(optimizer)
-    scaler.update()
-    optimizer.zero_grad(set_to_none=True)
-    return total
 
 
 @dataclass

@@ -60,7 +60,7 @@ def environment(uri: str) -> dict[str, str]:
     return {**os.environ, "MLFLOW_TRACKING_URI": uri, "PYTHONPATH": path}
 
 
-def log_view(stage: str, paths: dict[str, Path], uri: str, run_id: str) -> None:
+def log_stage_view(stage: str, paths: dict[str, Path], uri: str, run_id: str) -> None:
     """Run the view of `stage`'s output into run_id of the store `uri`; a failure is one warning."""
     if not enabled():
         return

@@ -18,16 +18,12 @@ The fetching itself (HTTP, mirror, cache, archives) is pipeline/fetch.py.
 from __future__ import annotations
 
 import argparse
-import codecs
 import contextlib
-import gzip
-import io
 import itertools
 import logging
 import re
 import urllib.parse
-import zlib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Iterable, Iterator, TextIO
 
@@ -35,11 +31,9 @@ import requests
 from tqdm import tqdm
 
 from pipeline import cli, tracking
-from pipeline.config import ParallelCorpus, DataConfig, FileSource, ParamsError, load
-from pipeline.formats import SPLITS
+from pipeline.config import DataConfig, FileSource, ParallelCorpus, ParamsError, load
 from pipeline.fetch import (
     ARCHIVE_SUFFIXES,
-    CHUNK,
     DownloadError,
     Local,
     check_available,
@@ -50,20 +44,13 @@ from pipeline.fetch import (
     mirror_from_env,
 )
 from pipeline.files import atomic_dir, write_json
+from pipeline.formats import SPLITS
+from pipeline.rawtext import Segment, check_segments, read_raw_lines, read_sgm
 
 log = logging.getLogger(__name__)
 
 BLOCK_LINES = 10_000  # lines written at a time
 SIDES = ("src", "tgt")
-
-
-@dataclass(frozen=True)
-class Segment:
-    """One <seg> of a WMT SGML file."""
-
-    docid: str
-    segid: str
-    text: str
 
 
 # --- params checks ---------------------------------------------------------------
@@ -118,79 +105,12 @@ def fetch_all(data: DataConfig, cache: Path, mirror: str | None, session: reques
     return local
 
 
-# --- reading text -----------------------------------------------------------------
+# --- reading text (pipeline/rawtext.py does the work) ----------------------------------
 
 
 def _format_name(source: FileSource) -> str:
     """The name whose suffixes say the format: the member's, else the URL's."""
     return source.member or urllib.parse.urlsplit(source.url).path
-
-
-def read_lines(path: Path, gz: bool, label: str) -> Iterator[str]:
-    """Lines of a strict UTF-8 file (gunzipped if `gz`), without BOM or "\\n"/"\\r\\n" endings."""
-    try:
-        with io.BufferedReader(gzip.open(path, "rb"), CHUNK) if gz else open(path, "rb", CHUNK) as f:
-            for n, raw in enumerate(f, 1):
-                raw = raw.removesuffix(b"\n").removesuffix(b"\r")
-                if n == 1:
-                    raw = raw.removeprefix(codecs.BOM_UTF8)
-                try:
-                    yield raw.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    bad = raw[max(0, e.start - 20) : e.end + 20]
-                    message = f"{label}: line {n}: invalid UTF-8 at byte {e.start} ({e.reason}): {bad!r}"
-                    raise DownloadError(message) from None
-    except (gzip.BadGzipFile, EOFError, zlib.error) as e:
-        raise DownloadError(f"{label}: corrupt or truncated gzip: {e}") from None
-
-
-# Why not sacrebleu's reader: its public API (DATASETS[...].source/references) reads only what its own
-# downloader put in ~/.sacrebleu (the whole archive, by urllib), which the mirror (members, not archives),
-# the cache and the sha256 pins cannot serve; the function underneath (FakeSGMLDataset._convert_format) is
-# private, writes a file and drops the doc and segment ids that check_segments needs. Ours gave the same
-# 29486 lines as that function on the mirror's 10 newstest2013/2014 SGML files (README, "Offline mirror");
-# test_download.py::test_sgml_text_matches_sacrebleu keeps the two equal on a fixture.
-_SEG_ID = re.compile(r'<seg\s[^>]*?\bid\s*=\s*"?([^"\s>]+)')
-_SEG_TEXT = re.compile(r"<seg.*?>(.*)</seg>.*?")  # sacrebleu's FakeSGMLDataset, verbatim
-_DOCID = re.compile(r'\bdocid\s*=\s*"([^"]*)"')
-
-
-def read_sgm(lines: Iterable[str], label: str) -> list[Segment]:
-    """The <seg> lines of a WMT SGML file in document order, as sacrebleu reads them (no entity unescaping)."""
-    docid, segments = "", []
-    for n, line in enumerate(lines, 1):
-        if line.startswith("<doc "):
-            match = _DOCID.search(line)
-            docid = match[1] if match else ""
-        elif re.match(r"<seg[\s>]", line):  # `<seg>` without attributes too: a segment without an id is an error
-            match = _SEG_ID.match(line)
-            if match is None or "</seg>" not in line:
-                raise DownloadError(f"{label}: line {n}: expected <seg id=N>text</seg> on one line, got {line[:80]!r}")
-            text = re.sub(r"\s+", " ", _SEG_TEXT.sub(r"\1", line).strip())  # sacrebleu's Dataset._clean
-            segments.append(Segment(docid, match[1], text))
-    return segments
-
-
-def check_segments(src: list[Segment], ref: list[Segment], src_label: str, ref_label: str) -> None:
-    """Source and reference must hold the same (docid, segid) pairs, each once, in the same order."""
-    keys: dict[str, list[tuple[str, str]]] = {}
-    for segs, label in ((src, src_label), (ref, ref_label)):
-        keys[label] = [(s.docid, s.segid) for s in segs]
-        if len(set(keys[label])) != len(segs):
-            d, i = next(k for n, k in enumerate(keys[label]) if k in keys[label][:n])
-            raise DownloadError(f"{label}: segment docid={d!r} segid={i} appears twice")
-    for has, lacks in ((src_label, ref_label), (ref_label, src_label)):
-        there = set(keys[lacks])
-        missing = [k for k in keys[has] if k not in there]
-        if missing:
-            d, i = missing[0]
-            raise DownloadError(f"{lacks}: no segment docid={d!r} segid={i} ({len(missing)} missing), which {has} has")
-    for n, (a, b) in enumerate(zip(keys[src_label], keys[ref_label]), 1):
-        if a != b:
-            raise DownloadError(
-                f"{src_label} and {ref_label}: segment {n} is docid={a[0]!r} segid={a[1]} in the first, "
-                f"docid={b[0]!r} segid={b[1]} in the second"
-            )
 
 
 _SET_TAG = re.compile(r"<(srcset|refset|tstset)\b([^>]*)>")
@@ -206,7 +126,7 @@ def check_languages(data: DataConfig, local: dict[FileSource, Local]) -> None:
             continue
         lang_key, expected = ("data.src_lang", data.src_lang) if side == "src" else ("data.tgt_lang", data.tgt_lang)
         label = label_of(source, local[source].origin)
-        lines = read_lines(local[source].path, name.endswith(".gz"), label)
+        lines = read_raw_lines(local[source].path, name.endswith(".gz"), label)
         with contextlib.closing(lines):
             for n, line in enumerate(itertools.islice(lines, HEADER_LINES), 1):
                 if tag := _SET_TAG.search(line):
@@ -231,7 +151,7 @@ def corpus_lines(corpus: ParallelCorpus, local: dict[FileSource, Local]) -> tupl
 def _side_lines(source: FileSource, local: Local) -> Iterable[str] | list[Segment]:
     """A file's lines, or its segments if it is SGML (.sgm, .sgm.gz)."""
     name, label = _format_name(source), label_of(source, local.origin)
-    lines = read_lines(local.path, name.endswith(".gz"), label)
+    lines = read_raw_lines(local.path, name.endswith(".gz"), label)
     return read_sgm(lines, label) if name.removesuffix(".gz").endswith(".sgm") else lines
 
 

@@ -12,6 +12,7 @@ import yaml
 
 from model.config import ModelConfig
 from model.transformer import Transformer
+from pipeline import averaging
 from stages import average
 from pipeline.checkpoint import save_checkpoint
 from tests.translation_fixtures import one_thread, shared_store, store  # noqa: F401 (fixtures)
@@ -100,7 +101,7 @@ def test_checkpoints_of_different_shapes_are_refused(tmp_path):
     save_checkpoint(tmp_path / "ckpt", payload(1, random_state(0)), keep=10)
     wider = payload(2, random_state(0, d_ff=48), model_config={**CONFIG, "d_ff": 48})
     save_checkpoint(tmp_path / "ckpt", wider, keep=10)
-    with pytest.raises(average.AverageError, match=r"step_00000001\.pt with .*step_00000002\.pt: model_config"):
+    with pytest.raises(averaging.AverageError, match=r"step_00000001\.pt with .*step_00000002\.pt: model_config"):
         run(tmp_path, 2)
     assert not (tmp_path / "model").exists()
 
@@ -111,21 +112,21 @@ def test_checkpoints_with_different_tensors_but_same_header_are_refused(tmp_path
     save_checkpoint(tmp_path / "ckpt", payload(1, a), keep=10)
     save_checkpoint(tmp_path / "ckpt", payload(2, b), keep=10)
     expected = r"encoder\.0\.ffn\.w_1\.weight is torch.float32 \[32, 16\] vs torch.float32 \[3, 3\]"
-    with pytest.raises(average.AverageError, match=expected):
+    with pytest.raises(averaging.AverageError, match=expected):
         run(tmp_path, 2)
 
 
 def test_checkpoints_from_different_params_are_refused(tmp_path):
     save_checkpoint(tmp_path / "ckpt", payload(1, random_state(0), params_hash="aaa"), keep=10)
     save_checkpoint(tmp_path / "ckpt", payload(2, random_state(1), params_hash="bbb"), keep=10)
-    with pytest.raises(average.AverageError, match=r"step_00000002\.pt: params_hash differs \('aaa' vs 'bbb'\)"):
+    with pytest.raises(averaging.AverageError, match=r"step_00000002\.pt: params_hash differs \('aaa' vs 'bbb'\)"):
         run(tmp_path, 2)
 
 
 def test_fewer_checkpoints_than_last_n_are_refused(tmp_path):
     save_checkpoint(tmp_path / "ckpt", payload(1, random_state(0)), keep=10)
     save_checkpoint(tmp_path / "ckpt", payload(2, random_state(1)), keep=10)
-    with pytest.raises(average.AverageError, match=r"last_n = 3 but only 2 complete checkpoint\(s\) "
+    with pytest.raises(averaging.AverageError, match=r"last_n = 3 but only 2 complete checkpoint\(s\) "
                                                     r"\(step_00000001\.pt, step_00000002\.pt\)"):
         run(tmp_path, 3)
 
@@ -139,7 +140,7 @@ def test_a_corrupt_checkpoint_is_never_averaged(tmp_path, caplog):
     out = run(tmp_path, 2)
     assert out["steps"] == [1, 2]
     assert "step_00000003.pt" in caplog.text
-    with pytest.raises(average.AverageError, match="only 2 complete"):
+    with pytest.raises(averaging.AverageError, match="only 2 complete"):
         run(tmp_path, 3)
 
 
@@ -165,6 +166,6 @@ def test_checkpoints_with_different_tensor_names_are_refused(tmp_path):
     b["decoder.9.extra"] = b.pop("decoder.1.ffn.w_2.bias")
     save_checkpoint(tmp_path / "ckpt", payload(1, a), keep=10)
     save_checkpoint(tmp_path / "ckpt", payload(2, b), keep=10)
-    with pytest.raises(average.AverageError, match=r"only in the first: \['decoder\.1\.ffn\.w_2\.bias'\]; "
+    with pytest.raises(averaging.AverageError, match=r"only in the first: \['decoder\.1\.ffn\.w_2\.bias'\]; "
                                                     r"only in the second: \['decoder\.9\.extra'\]"):
         run(tmp_path, 2)

@@ -28,7 +28,7 @@ import yaml
 
 from model.config import ModelConfig
 from model.transformer import Transformer
-from pipeline import distributed, fetch, tracking
+from pipeline import distributed, fetch, scoring, tracking
 from stages import average, batch, download, evaluate, train, translate
 from pipeline.checkpoint import CheckpointError, load_checkpoint, load_model, save_checkpoint, sidecar
 from pipeline.config import DataConfig, ParamsError, TokenizeConfig, TrainConfig, compose, load
@@ -353,7 +353,7 @@ def test_a_hypothesis_file_with_invalid_utf8_names_file_and_line(tmp_path):
             (tmp_path / directory / f"{split}.de").write_bytes(text)
     params = compose([])
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
-    with pytest.raises(evaluate.EvaluateError, match=r"translations/test\.de:2: not valid UTF-8"):
+    with pytest.raises(scoring.ScoringError, match=r"translations/test\.de:2: not valid UTF-8"):
         evaluate.main(["--translations", str(tmp_path / "translations"), "--raw", str(tmp_path / "raw"),
                        "--metrics", str(tmp_path / "eval.json"), "--params", str(tmp_path / "params.yaml")])
     assert nothing_written(tmp_path, "eval.json")

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from stages import batch
-from stages.batch import fill, make_batches, padding_stats
+from pipeline.batching import fill, make_batches, padding_stats
 from pipeline.formats import ID_DTYPE, OFFSET_DTYPE, Ragged, load_batches, split_paths
 from tests.train_fixtures import TRAIN
 from tests.translation_fixtures import shared_store, store  # noqa: F401 (fixtures: one MLflow store per module)

@@ -19,7 +19,7 @@ import pytest
 import yaml
 from sacrebleu.dataset.fake_sgml import FakeSGMLDataset
 
-from pipeline import fetch
+from pipeline import fetch, rawtext
 from stages import download
 from pipeline.config import ParamsError, load_all
 from tests.http_fixtures import FileServer
@@ -424,17 +424,17 @@ def test_sgml_mismatched_segment_ids_are_refused(site):
 
 
 def test_sgml_segments_out_of_order_are_refused(tmp_path):
-    src = [download.Segment("d1", "1", "a"), download.Segment("d1", "2", "b")]
-    ref = [download.Segment("d1", "2", "B"), download.Segment("d1", "1", "A")]
+    src = [rawtext.Segment("d1", "1", "a"), rawtext.Segment("d1", "2", "b")]
+    ref = [rawtext.Segment("d1", "2", "B"), rawtext.Segment("d1", "1", "A")]
     with pytest.raises(fetch.DownloadError, match="src.sgm and ref.sgm: segment 1 is docid='d1' segid=1 in the"):
-        download.check_segments(src, ref, "src.sgm", "ref.sgm")
+        rawtext.check_segments(src, ref, "src.sgm", "ref.sgm")
 
 
 def test_sgml_text_matches_sacrebleu(tmp_path):
     path, expected = tmp_path / "src.en.sgm", tmp_path / "sacrebleu.txt"
     path.write_bytes(TEST_SRC)
     FakeSGMLDataset("toy")._convert_format(str(path), str(expected))
-    ours = [s.text for s in download.read_sgm(download.read_lines(path, False, "src"), "src")]
+    ours = [s.text for s in rawtext.read_sgm(rawtext.read_raw_lines(path, False, "src"), "src")]
     assert ours == expected.read_text(encoding="utf-8").splitlines() == TEST_SRC_LINES
 
 

@@ -13,6 +13,7 @@ import mlflow
 import pytest
 import yaml
 
+from pipeline import scoring
 from stages import evaluate
 from tests.translation_fixtures import shared_store, store  # noqa: F401 (fixtures)
 
@@ -118,23 +119,23 @@ def test_tokenized_bleu_does_not_warn_about_its_own_tokenization():
     logger = logging.getLogger("sacrebleu")
     logger.addHandler(handler)
     try:
-        assert evaluate.tokenized_bleu(lines, lines, "de") == pytest.approx(100.0)
-        evaluate.score(lines, lines, "de", "13a")  # detokenized input: no warning either
+        assert scoring.tokenized_bleu(lines, lines, "de") == pytest.approx(100.0)
+        scoring.score(lines, lines, "de", "13a")  # detokenized input: no warning either
     finally:
         logger.removeHandler(handler)
     assert not records, [r.getMessage() for r in records]
 
 
 def test_paper_tokenization_escapes_like_tokenizer_perl_and_splits_compounds_like_perl():
-    assert evaluate.paper_tokenize(['Ein "E-Mail"-Konto kostet 5 & mehr.'], "de") == [
+    assert scoring.paper_tokenize(['Ein "E-Mail"-Konto kostet 5 & mehr.'], "de") == [
         "Ein &quot; E ##AT##-##AT## Mail &quot; -Konto kostet 5 &amp; mehr ."
     ]
     # s{(\S)-(\S)}{...}g resumes after each match: the middle letter of "a-b-c" is used up.
-    assert evaluate.split_compounds("a-b-c rich-text -x y-") == "a ##AT##-##AT## b-c rich ##AT##-##AT## text -x y-"
+    assert scoring.split_compounds("a-b-c rich-text -x y-") == "a ##AT##-##AT## b-c rich ##AT##-##AT## text -x y-"
 
 
 def test_an_empty_hypothesis_file_is_refused_and_no_metrics_are_written(tmp_path):
-    with pytest.raises(evaluate.EvaluateError, match=r"test\.de has 0 lines but the reference .*test\.de has 4"):
+    with pytest.raises(scoring.ScoringError, match=r"test\.de has 0 lines but the reference .*test\.de has 4"):
         run(tmp_path, {"test": [], "valid": HYPS["valid"]})
     assert not (tmp_path / "metrics" / "eval.json").exists()
 
@@ -142,13 +143,13 @@ def test_an_empty_hypothesis_file_is_refused_and_no_metrics_are_written(tmp_path
 def test_a_line_count_mismatch_is_refused_and_the_old_metrics_stay(tmp_path):
     metrics = run(tmp_path)
     before = metrics.read_text()
-    with pytest.raises(evaluate.EvaluateError, match=r"valid\.de has 1 lines but the reference .*valid\.de has 2"):
+    with pytest.raises(scoring.ScoringError, match=r"valid\.de has 1 lines but the reference .*valid\.de has 2"):
         run(tmp_path, {"test": HYPS["test"], "valid": HYPS["valid"][:1]})
     assert metrics.read_text() == before
 
 
 def test_a_missing_translation_file_is_named(tmp_path):
-    with pytest.raises(evaluate.EvaluateError, match=r"translations/valid\.de: missing"):
+    with pytest.raises(scoring.ScoringError, match=r"translations/valid\.de: missing"):
         run(tmp_path, {"test": HYPS["test"]})
 
 
@@ -157,12 +158,12 @@ def test_tokenized_bleu_replaces_unicode_punctuation_in_the_hypotheses_only():
     hypothesis that copies the reference's typographic quotes, apostrophe and ellipsis loses those matches;
     the en dash is not in the script's list and still matches."""
     ref = ["Er sagte gestern: “Das ist Peter’s Haus in der Stadt” – und ging dann … langsam nach Hause."]
-    assert evaluate.replace_unicode_punctuation(ref, "de") == [
+    assert scoring.replace_unicode_punctuation(ref, "de") == [
         'Er sagte gestern: "Das ist Peter\'s Haus in der Stadt" – und ging dann ... langsam nach Hause.']
-    hyp_tokens = evaluate.paper_tokenize(evaluate.replace_unicode_punctuation(ref, "de"), "de")[0].split()
-    ref_tokens = evaluate.paper_tokenize(ref, "de")[0].split()
+    hyp_tokens = scoring.paper_tokenize(scoring.replace_unicode_punctuation(ref, "de"), "de")[0].split()
+    ref_tokens = scoring.paper_tokenize(ref, "de")[0].split()
     assert "–" in hyp_tokens and "–" in ref_tokens and "&quot;" in hyp_tokens and "“" in ref_tokens
-    assert 0 < evaluate.tokenized_bleu(ref, ref, "de") < 60  # the same text, scored as the paper's script scores it
-    ascii_ref = evaluate.replace_unicode_punctuation(ref, "de")
-    assert evaluate.tokenized_bleu(ascii_ref, ascii_ref, "de") == pytest.approx(100.0)
-    assert evaluate.tokenized_bleu(ascii_ref, ref, "de") == evaluate.tokenized_bleu(ref, ref, "de")
+    assert 0 < scoring.tokenized_bleu(ref, ref, "de") < 60  # the same text, scored as the paper's script scores it
+    ascii_ref = scoring.replace_unicode_punctuation(ref, "de")
+    assert scoring.tokenized_bleu(ascii_ref, ascii_ref, "de") == pytest.approx(100.0)
+    assert scoring.tokenized_bleu(ascii_ref, ref, "de") == scoring.tokenized_bleu(ref, ref, "de")

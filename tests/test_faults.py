@@ -260,9 +260,9 @@ def never_killed(tmp_path_factory, store) -> dict[str, torch.Tensor]:
 
 
 def test_fault_specs_are_parsed_strictly_and_unset_means_nothing(monkeypatch):
-    assert faults.parse("step@3, validation@6") == {("step", 3), ("validation", 6)}
+    assert faults.parse_spec("step@3, validation@6") == {("step", 3), ("validation", 6)}
     with pytest.raises(ValueError, match="TRANSFORMER_FAULT='chekpoint@2'"):
-        faults.parse("chekpoint@2")
+        faults.parse_spec("chekpoint@2")
     monkeypatch.delenv(faults.ENV, raising=False)
     faults.inject("step", 3)  # still alive
     monkeypatch.setenv(faults.ENV, "step@4")

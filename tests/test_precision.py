@@ -23,7 +23,7 @@ from pipeline import distributed
 from pipeline.checkpoint import complete_checkpoints, load_checkpoint
 from pipeline.config import TrainConfig
 from pipeline.loader import Prefetcher, TrainingData, collate
-from pipeline.trainer import build_optimizer, train_step
+from pipeline.optimizer import build_optimizer, train_step
 from stages import train
 from tests.train_fixtures import MODEL, TRAIN, VOCAB, stage_args, write_corpus, write_params
 

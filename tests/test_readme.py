@@ -68,6 +68,49 @@ def test_every_command_line_the_readme_shows_needs_only_the_venv_it_says_to_acti
     assert "source .venv/bin/activate" in README.split("## The pipeline")[0]
 
 
+CODE_FOLDERS = ("model", "pipeline", "stages", "tools", "bench")
+
+
+def layout_mentions() -> tuple[set[str], set[str]]:
+    """The paths the README's "How the code is laid out" tree names, and its top-level entries.
+
+    A line at column 0 is a top-level entry (`stages/`, `dvc.yaml`), one indented by two spaces an entry
+    of the folder above it, a deeper one continues the description before it. A `name.py` in a description
+    is a file of its top-level folder; `folder/name.py` is a path from the repository root.
+    """
+    block = README.split("## How the code is laid out", 1)[1].split("```", 2)[1]
+    paths, top, folder = set(), set(), ""
+    for line in block.splitlines()[1:]:
+        indent, (name, _, text) = len(line) - len(line.lstrip(" ")), line.strip().partition(" ")
+        if not name:
+            continue
+        if indent == 0:
+            top.add(name.rstrip("/"))
+            folder = name if name.endswith("/") else ""
+            paths.add(name.rstrip("/"))
+        elif indent == 2:
+            paths.add(folder + name.rstrip("/"))
+        else:
+            text = line
+        for word in re.findall(r"[\w/.-]+\.py\b", text):
+            paths.add(word if "/" in word else folder + word)
+    return paths, top
+
+
+def test_the_layout_tree_names_every_code_file_and_folder_and_only_what_exists():
+    paths, top = layout_mentions()
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    if not tracked:
+        pytest.skip("not a git checkout")
+    folders = {p.split("/", 1)[0] for p in tracked if "/" in p and not p.startswith(".")}
+    code = {p for p in tracked if p.endswith(".py") and (p.split("/", 1)[0] in CODE_FOLDERS or "/" not in p)
+            and Path(p).name != "__init__.py" and (ROOT / p).is_file()}
+    problems = {"top-level folders the tree lacks": sorted(folders - top),
+                "code files the tree lacks": sorted(code - paths),
+                "names in the tree that do not exist": sorted(p for p in paths if not (ROOT / p).exists())}
+    assert not any(problems.values()), problems
+
+
 # --- slow: the DVC commands in a real repo ----------------------------------------------------------------------
 
 

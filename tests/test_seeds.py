@@ -28,12 +28,12 @@ def test_the_commands_run_in_order_and_the_queue_only_with_run(monkeypatch, caps
                    (["dvc", "exp", "run", "--queue", "-S", "train.seed=8", "-S", "batch.seed=8"], True)]
     ran.clear()
     seeds.main(["--seeds", "7", "--run"])
-    assert [cmd for cmd, _ in ran] == [seeds.queue_command(7, []), ["dvc", "exp", "run", "--run-all", "-j", "1"]]
+    assert [cmd for cmd, _ in ran] == [seeds.seed_command(7, []), ["dvc", "exp", "run", "--run-all", "-j", "1"]]
 
 
 def test_a_seed_study_changes_only_the_seeds_the_report_groups_over():
     base = compose(["train.warmup_steps=400"])
-    params = compose(seeds.overrides(5, ["train.warmup_steps=400"]))
+    params = compose(seeds.seed_overrides(5, ["train.warmup_steps=400"]))
     changed = {f"params.{s}.{k}" for s in params for k in params[s] if params[s][k] != base[s][k]}
     assert changed == groups.SEED_PARAMS == {"params.train.seed", "params.batch.seed"}
     assert params["train"]["seed"] == params["batch"]["seed"] == 5

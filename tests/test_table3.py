@@ -5,17 +5,17 @@ import functools
 from model.config import ModelConfig
 from model.transformer import Transformer
 from pipeline.config import compose
-from tools.table3 import ROWS, main, n_params, overrides, queue_command, vocab_for
+from tools.table3 import ROWS, main, n_params, row_command, row_overrides, vocab_for
 
 
 @functools.cache
 def model_of(name: str) -> ModelConfig:
-    return ModelConfig(**compose(overrides(ROWS[name]))["model"])
+    return ModelConfig(**compose(row_overrides(ROWS[name]))["model"])
 
 
 def test_every_row_changes_exactly_its_knobs_from_its_preset():
     for name, row in ROWS.items():
-        base, params = compose([f"experiment={row.experiment}"]), compose(overrides(row))
+        base, params = compose([f"experiment={row.experiment}"]), compose(row_overrides(row))
         for knob in row.knobs:
             key, value = knob.split("=")
             section, field = key.split(".")
@@ -33,7 +33,7 @@ def test_the_table_has_the_papers_base_and_big_rows_around_the_variations():
 
 
 def test_parameter_count_on_the_meta_device_is_the_models():
-    cfg = ModelConfig(**{**compose(overrides(ROWS["base"]))["model"], "n_layers": 1, "d_model": 64, "d_ff": 128})
+    cfg = ModelConfig(**{**compose(row_overrides(ROWS["base"]))["model"], "n_layers": 1, "d_model": 64, "d_ff": 128})
     assert n_params(cfg, 1000) == sum(p.numel() for p in Transformer(cfg, 1000).parameters())
 
 
@@ -62,5 +62,5 @@ def test_dry_run_prints_one_queue_command_per_row_with_its_size(capsys):
     assert lines[0].endswith("# ours 63.1M at vocab 37000; paper 65M (vocab 39769-41721 rounds to it)")
     assert lines[-1].startswith("dvc exp run --queue -n table3-big -S experiment=wmt14_en_de_big -S average.last_n=1")
     assert "# ours 214.2M at vocab 37000; paper 213M" in lines[-1]
-    assert queue_command("C-N2", ROWS["C-N2"])[-2:] == ["-S", "model.n_layers=2"]
+    assert row_command("C-N2", ROWS["C-N2"])[-2:] == ["-S", "model.n_layers=2"]
 

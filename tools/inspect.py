@@ -81,7 +81,7 @@ def one_line(error: BaseException) -> str:
     return text if len(text) <= 400 else text[:397] + "..."
 
 
-def parse(argv: list[str] | None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m tools.inspect", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("path", type=Path, help="a stage output: data/raw, data/tokenized, ..., metrics/eval.json")
@@ -102,7 +102,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     """Print the view of PATH; 0, or 1 with one line on stderr when the output is missing, corrupt or unknown."""
-    args = parse(argv)
+    args = parse_args(argv)
     cli.setup_logging(logging.INFO if args.verbose else logging.WARNING)
     layout = detect(args.path)
     if layout is None:
@@ -126,10 +126,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"inspect: {one_line(e)}", file=sys.stderr)
         return 1
     if args.mlflow_run:
-        from tools.inspect_mlflow import log_view
+        from tools.inspect_mlflow import log_view_artifacts
 
         try:
-            log_view(args.mlflow_run, layout, opts.out, text.getvalue())
+            log_view_artifacts(args.mlflow_run, layout, opts.out, text.getvalue())
         except Exception as e:  # MLflow's errors have no common base: any failure to log is this one line
             print(f"inspect: could not log the {layout} view to MLflow run {args.mlflow_run}: {one_line(e)}",
                   file=sys.stderr)

@@ -15,7 +15,7 @@ from matplotlib.figure import Figure
 from pipeline import config
 from pipeline.config import DataConfig, ParamsError
 from pipeline.formats import read_meta
-from stages.evaluate import read_lines
+from pipeline.scoring import read_lines
 from pipeline.files import write_bytes
 
 T = TypeVar("T")

@@ -8,7 +8,7 @@ from textwrap import indent
 import numpy as np
 
 from pipeline import config
-from stages.batch import model_lengths, padding_stats
+from pipeline.batching import model_lengths, padding_stats
 from pipeline.config import BatchConfig
 from pipeline.formats import BATCHED_SPLITS, SPLITS, Ragged, batch_paths, load_batches
 from tools.inspect_common import (InspectError, Options, figure, language_pair, length_histogram,

@@ -20,7 +20,7 @@ from pipeline.files import write_text
 log = logging.getLogger(__name__)
 
 
-def log_view(run_id: str, layout: str, out: Path, text: str) -> list[str]:
+def log_view_artifacts(run_id: str, layout: str, out: Path, text: str) -> list[str]:
     """Log the view's text and the files it wrote to `out` to run_id; the artifact paths logged."""
     from mlflow import MlflowClient
 

@@ -15,7 +15,7 @@ from pipeline import config
 from pipeline.config import TranslateConfig
 from pipeline.formats import DECODED_SPLITS, load_spm, load_split, read_meta
 from pipeline.files import write_text
-from stages.tokenize import encode
+from pipeline.subwords import encode
 from tools.inspect_common import (InspectError, Options, figure, params_or_reason, read_json, save_png, shown,
                                   sibling, summary, table, text_languages, text_lines)
 

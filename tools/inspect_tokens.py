@@ -10,7 +10,7 @@ import numpy as np
 import sentencepiece as spm
 
 from pipeline.formats import SPLITS, UNK_ID, Ragged, load_spm, load_split, read_meta, split_paths
-from stages.tokenize import DROP_REASONS, encode
+from pipeline.subwords import DROP_REASONS, encode
 from tools.inspect_common import (InspectError, Options, figure, length_histogram, read_json, save_png, shown,
                                   sibling, spread, summary, table, text_lines)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from pipeline import config
-from stages.average import AverageError, select_checkpoints
+from pipeline.averaging import AverageError, select_checkpoints
 from pipeline.checkpoint import is_complete, step_files
 from pipeline.config import AverageConfig
 from tools.inspect_common import InspectError, Options, params_or_reason, read_json, shown, table

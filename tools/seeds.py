@@ -15,7 +15,7 @@ anything is queued.
 Which seeds vary: the training's randomness, and only it.
     train.seed   the initial weights, the dropout masks and each epoch's batch
                  order (pipeline/trainer.py, pipeline/steps.epoch_order)
-    batch.seed   which pairs of equal lengths share a batch (stages/batch.py)
+    batch.seed   which pairs of equal lengths share a batch (pipeline/batching.py)
 tokenize.seed stays as it is: it picks the sentences sentencepiece learns the
 vocabulary from (when tokenize.input_sentence_size > 0); keeping it makes every
 seed train and score on the same tokens, so the spread measures training noise
@@ -31,11 +31,12 @@ import sys
 
 from pipeline import cli
 from pipeline.config import compose
+from tools.exp_queue import queue_command, run_command
 
 SEEDS = ("train.seed", "batch.seed")  # the params a seed study varies, each set to the study's seed
 
 
-def overrides(seed: int, settings: list[str]) -> list[str]:
+def seed_overrides(seed: int, settings: list[str]) -> list[str]:
     """The `-S` overrides of one seed's run: the user's settings, then every seed param set to `seed`."""
     fixed = [s for s in settings if s.split("=", 1)[0].strip() in SEEDS]
     if fixed:
@@ -43,19 +44,9 @@ def overrides(seed: int, settings: list[str]) -> list[str]:
     return [*settings, *(f"{param}={seed}" for param in SEEDS)]
 
 
-def queue_command(seed: int, settings: list[str], name: str | None = None) -> list[str]:
-    """The `dvc exp run --queue` command for one seed."""
-    cmd = ["dvc", "exp", "run", "--queue"]
-    if name:
-        cmd += ["-n", f"{name}-seed{seed}"]
-    for override in overrides(seed, settings):
-        cmd += ["-S", override]
-    return cmd
-
-
-def run_command(jobs: int) -> list[str]:
-    """Run DVC's queue in the foreground, `jobs` experiments at a time."""
-    return ["dvc", "exp", "run", "--run-all", "-j", str(jobs)]
+def seed_command(seed: int, settings: list[str], name: str | None = None) -> list[str]:
+    """The `dvc exp run --queue` command for one seed (named NAME-seedN with a name)."""
+    return queue_command(seed_overrides(seed, settings), f"{name}-seed{seed}" if name else None)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -71,10 +62,10 @@ def main(argv: list[str] | None = None) -> None:
     if len(set(args.seeds)) != len(args.seeds):
         parser.error(f"--seeds {' '.join(map(str, args.seeds))}: each seed once")
     try:
-        commands = [queue_command(seed, args.settings, args.name) for seed in args.seeds]
+        commands = [seed_command(seed, args.settings, args.name) for seed in args.seeds]
     except ValueError as e:
         parser.error(str(e))
-    compose(overrides(args.seeds[0], args.settings))  # a ParamsError names a bad key or value before anything is queued
+    compose(seed_overrides(args.seeds[0], args.settings))  # a ParamsError names a bad key or value before anything is queued
     if args.run:
         commands.append(run_command(args.jobs))
     for cmd in commands:

@@ -35,6 +35,7 @@ import torch
 from model.config import ModelConfig
 from model.transformer import Transformer
 from pipeline.config import compose
+from tools.exp_queue import queue_command
 
 
 class Row(NamedTuple):
@@ -76,17 +77,14 @@ ROWS: dict[str, Row] = {
 }
 
 
-def overrides(row: Row) -> list[str]:
+def row_overrides(row: Row) -> list[str]:
     """The `-S` overrides of one row: its preset, no checkpoint averaging (Table 3), its knobs."""
     return [f"experiment={row.experiment}", "average.last_n=1", *row.knobs]
 
 
-def queue_command(name: str, row: Row) -> list[str]:
-    """The `dvc exp run --queue` command for one row."""
-    cmd = ["dvc", "exp", "run", "--queue", "-n", f"table3-{name}"]
-    for override in overrides(row):
-        cmd += ["-S", override]
-    return cmd
+def row_command(name: str, row: Row) -> list[str]:
+    """The `dvc exp run --queue` command for one row, named table3-NAME."""
+    return queue_command(row_overrides(row), f"table3-{name}")
 
 
 def n_params(model: ModelConfig, vocab_size: int) -> int:
@@ -104,7 +102,7 @@ def vocab_for(model: ModelConfig, params_m: float) -> tuple[int, int]:
 
 def size_note(row: Row) -> str:
     """`# ours ...M at vocab V; paper ...M (vocab lo-hi rounds to it)` for one row."""
-    params = compose(overrides(row))
+    params = compose(row_overrides(row))
     model, vocab = ModelConfig(**params["model"]), params["tokenize"]["vocab_size"]
     note = f"# ours {n_params(model, vocab) / 1e6:.1f}M at vocab {vocab}"
     if row.params_m is None:
@@ -118,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dry-run", action="store_true", help="print the commands only")
     args = parser.parse_args(argv)
     for name, row in ROWS.items():
-        cmd = queue_command(name, row)
+        cmd = row_command(name, row)
         print(f"{shlex.join(cmd)}  {size_note(row)}", flush=True)
         if not args.dry_run:
             subprocess.run(cmd, check=True, stdout=sys.stderr)

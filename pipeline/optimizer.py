@@ -1,0 +1,54 @@
+"""The optimizer and one update of it: Adam (Sec. 5.3), gradients accumulated over a step's micro-batches.
+
+    optimizer = build_optimizer(model, train_cfg)
+    loss = train_step(loss_model, optimizer, micro, global_tokens, lr, ctx, autocast, scaler)
+
+What the trainer (pipeline/trainer.py) runs every step, and what the benchmarks
+time, so a bench measures what `dvc repro` runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+
+from pipeline.config import TrainConfig
+from pipeline.distributed import Dist
+from pipeline.loader import Batch
+
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """Adam with the paper's betas and epsilon (Sec. 5.3); the learning rate is set before every step."""
+    return torch.optim.Adam(model.parameters(), lr=0.0, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
+                            fused=True)
+
+
+def train_step(loss_model: nn.Module, optimizer: torch.optim.Optimizer, micro: list[tuple[Batch, bool]],
+               global_tokens: int, lr: float, ctx: Dist, autocast, scaler: torch.amp.GradScaler) -> Tensor:
+    """Accumulate the gradients of this rank's micro-batches, then one Adam update; returns this rank's summed loss.
+
+    Each micro-batch's summed loss is scaled by world / global_tokens: DDP
+    averages gradients over the world, so the update is the gradient of the
+    step's summed loss over its real target tokens on all ranks. A padding
+    micro-batch (False: none left for this rank at an epoch's tail) is weighted
+    0, so the rank still joins the all-reduce without changing the update.
+    `scaler` scales the loss for fp16 (a disabled scaler passes everything through).
+    """
+    scale = ctx.world / global_tokens
+    total = torch.zeros((), device=ctx.device)
+    for i, (batch, real) in enumerate(micro):
+        sync = i == len(micro) - 1 or not isinstance(loss_model, DistributedDataParallel)
+        with (contextlib.nullcontext() if sync else loss_model.no_sync()), autocast:
+            loss = loss_model(batch.src, batch.tgt_in, batch.labels, batch.tokens)
+        scaler.scale(loss * (scale if real else 0.0)).backward()
+        if real:
+            total += loss.detach().float()
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return total
