@@ -29,7 +29,7 @@ from pipeline import cli, config, tracking
 from pipeline.config import DataConfig, EvaluateConfig
 from pipeline.files import write_json
 from pipeline.formats import DECODED_SPLITS
-from pipeline.scoring import printed, read_lines, read_pair, score  # noqa: F401 (printed, read_lines: bench.decode's)
+from pipeline.scoring import read_pair, score
 
 log = logging.getLogger(__name__)
 
