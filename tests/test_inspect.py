@@ -107,6 +107,57 @@ def test_tokenized_reports_vocabulary_drops_and_the_lines_that_do_not_round_trip
     assert_png(tmp_path / "out" / "tokens.png")
 
 
+def test_raw_read_in_chunks_shows_the_same_and_names_a_bad_line_past_the_first_chunk(corpus, tmp_path, capsys,
+                                                                                     monkeypatch):
+    whole = inspect(capsys, corpus / "data" / "raw", tmp_path / "whole", "-n", "3")
+    monkeypatch.setattr("tools.inspect_common.CHUNK_LINES", 7)  # 152 lines: 22 chunks, the samples in three
+    assert inspect(capsys, corpus / "data" / "raw", tmp_path / "chunks", "-n", "3") == whole.replace("whole", "chunks")
+    raw = tmp_path / "raw"
+    shutil.copytree(corpus / "data" / "raw", raw)
+    lines = (raw / "train.de").read_bytes().split(b"\n")
+    lines[19] = b"Ein \xff Hund."  # line 20, in the third chunk
+    (raw / "train.de").write_bytes(b"\n".join(lines))
+    err = fails(capsys, raw, "--out", str(tmp_path / "out"))
+    assert "train.de:20: not valid UTF-8" in err
+
+
+def test_tokenized_checks_the_first_pairs_of_a_split_over_the_limit_and_counts_pieces_in_slices(corpus, tmp_path,
+                                                                                                 capsys, monkeypatch):
+    def pieces(out: str) -> str:
+        return out[out.index("most frequent pieces") : out.index("sample train pairs")]
+
+    whole = inspect(capsys, corpus / "data" / "tokenized", tmp_path / "whole")
+    monkeypatch.setattr("tools.inspect_tokens.CHUNK_IDS", 7)
+    monkeypatch.setattr("tools.inspect_tokens.ROUND_TRIP_PAIRS", 151)  # train has 152 raw pairs; the 152nd: dropped
+    out = inspect(capsys, corpus / "data" / "tokenized", tmp_path / "out")
+    assert pieces(out) == pieces(whole)
+    assert ("train: the first 151 of 152 raw pairs (at most 151 a split are re-encoded), 151 stored; 0 not stored; "
+            "every stored pair equals the raw text re-encoded") in out
+    assert "test: 6 raw pairs, 6 stored; 0 not stored" in out  # under the limit: whole
+    # The dropped pair inside the pairs checked, a raw pair past them never read:
+    root = tmp_path / "more"
+    shutil.copytree(corpus / "data", root)
+    for lang, text in (("en", "One more line."), ("de", "Noch eine Zeile.")):
+        with open(root / "raw" / f"train.{lang}", "a", encoding="utf-8") as f:
+            f.write(text + "\n")
+    monkeypatch.setattr("tools.inspect_tokens.ROUND_TRIP_PAIRS", 152)
+    out = inspect(capsys, root / "tokenized", tmp_path / "out2")
+    assert ("train: the first 152 of 153 raw pairs (at most 152 a split are re-encoded), 151 stored; 1 not stored; "
+            "every stored pair equals the raw text re-encoded") in out
+    assert "first pair not stored (dropped), line 152" in out
+
+
+def test_tokenized_with_an_id_past_the_vocabulary_names_the_file_and_the_id(corpus, tmp_path, capsys, monkeypatch):
+    tokenized = tmp_path / "data" / "tokenized"
+    shutil.copytree(corpus / "data" / "tokenized", tokenized)
+    ids = np.fromfile(tokenized / "train.de.ids", dtype=np.uint16)
+    ids[-1] = 999  # the vocabulary has 60 pieces; the id is in the last of several slices
+    ids.tofile(tokenized / "train.de.ids")
+    monkeypatch.setattr("tools.inspect_tokens.CHUNK_IDS", 100)
+    err = fails(capsys, tokenized)
+    assert "train.de.ids: holds id 999; expected ids below the vocabulary size 60" in err
+
+
 def test_tokenized_with_stale_ids_or_a_missing_model_names_the_file(corpus, tmp_path, capsys):
     tokenized = tmp_path / "data" / "tokenized"
     shutil.copytree(corpus / "data" / "tokenized", tokenized)

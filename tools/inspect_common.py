@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import Callable, Iterator, TypeVar
 
 import numpy as np
 from matplotlib.figure import Figure
@@ -21,6 +22,7 @@ from pipeline.files import write_bytes
 T = TypeVar("T")
 
 NUMBER = re.compile(r"-?[\d,]+(\.\d+)?%?")  # a table cell right-aligned as a number
+CHUNK_LINES = 100_000  # text lines decoded at a time (text_chunks)
 TEXT_FILE = re.compile(r"^(train|valid|test)\.([A-Za-z][A-Za-z_-]*)$")  # raw and translated text: {split}.{lang}
 
 
@@ -65,6 +67,48 @@ def read_json(path: Path, expected: str) -> dict:
     if not isinstance(obj, dict):
         raise InspectError(f"{shown(path)}: a JSON {type(obj).__name__}; expected {expected}")
     return obj
+
+
+def text_chunks(path: Path, expected: str, limit: int | None = None) -> Iterator[list[str]]:
+    """The lines of a UTF-8 text file (split at "\\n" only, as the stages read them), CHUNK_LINES at a time, the
+    first `limit` only if given: a WMT-size corpus (tens of millions of lines) is never held whole. Missing or
+    invalid UTF-8 is an error naming the file (and line) and what was expected."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{shown(path)}: missing; expected {expected}")
+    start = 0
+    with open(path, "rb") as f:
+        lines = f if limit is None else itertools.islice(f, limit)
+        while chunk := list(itertools.islice(lines, CHUNK_LINES)):
+            try:
+                yield [line.rstrip(b"\n").decode("utf-8") for line in chunk]
+            except UnicodeDecodeError as e:
+                bad = next(i for i, line in enumerate(chunk) if not _is_utf8(line))
+                raise InspectError(f"{shown(path)}:{start + bad + 1}: not valid UTF-8 ({e.reason}); "
+                                   f"expected {expected}") from None
+            start += len(chunk)
+
+
+def _is_utf8(line: bytes) -> bool:
+    try:
+        line.decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False
+
+
+def scan_text(path: Path, expected: str, keep: set[int] = frozenset()) -> tuple[np.ndarray, dict[int, str]]:
+    """Words per line of a text file (text_chunks), and its lines at the indices `keep`."""
+    words, kept, start = [], {}, 0
+    for chunk in text_chunks(path, expected):
+        words.append(np.fromiter((len(line.split()) for line in chunk), dtype=np.int64, count=len(chunk)))
+        kept |= {i: chunk[i - start] for i in keep if start <= i < start + len(chunk)}
+        start += len(chunk)
+    return (np.concatenate(words) if words else np.zeros(0, np.int64)), kept
+
+
+def scan_lines(path: Path, expected: str, limit: int) -> list[str]:
+    """The first `limit` lines of a text file (text_chunks)."""
+    return [line for chunk in text_chunks(path, expected, limit) for line in chunk]
 
 
 def text_lines(path: Path, expected: str) -> list[str]:

@@ -10,9 +10,10 @@ import numpy as np
 from pipeline import config
 from pipeline.batching import model_lengths, padding_stats
 from pipeline.config import BatchConfig
+from pipeline.files import count_lines
 from pipeline.formats import BATCHED_SPLITS, SPLITS, Ragged, batch_paths, load_batches
 from tools.inspect_common import (InspectError, Options, figure, language_pair, length_histogram,
-                                  params_or_reason, save_png, shown, sibling, spread, summary, table, text_lines)
+                                  params_or_reason, save_png, scan_text, shown, sibling, spread, summary, table)
 
 BUCKET = 10  # tokens: batches are grouped by their longest sequence in buckets this wide
 
@@ -21,26 +22,32 @@ def show_raw(path: Path, opts: Options) -> None:
     """Lines per split and language, aligned sample pairs, and words per line (words.png)."""
     langs = language_pair(path, sibling(path, "tokenized", opts.tokenized), opts.params)
     print(f"raw corpus {shown(path)}: {langs[0]} -> {langs[1]}\n")
-    text = {(split, lang): text_lines(path / f"{split}.{lang}", f"{split} text in {lang}, one sentence per line "
-                                      "(written by the download stage)") for split in SPLITS for lang in langs}
-    words = {key: np.fromiter((len(line.split()) for line in lines), dtype=np.int64) for key, lines in text.items()}
+    # Streamed: words per line and the sample lines only, never a whole WMT-size corpus as Python strings.
+    train_lines = min(count_lines(path / f"train.{lang}") if (path / f"train.{lang}").is_file() else 0
+                      for lang in langs)
+    picks = spread(train_lines, opts.n)
+    words, samples = {}, {}
+    for split in SPLITS:
+        for lang in langs:
+            words[split, lang], samples[split, lang] = scan_text(
+                path / f"{split}.{lang}", f"{split} text in {lang}, one sentence per line (written by the download "
+                "stage)", keep=set(picks) if split == "train" else set())
     keys = [(split, [(split, lang) for lang in langs]) for split in SPLITS]
-    rows = [[split, *(len(text[k]) for k in ks), *(int((words[k] == 0).sum()) for k in ks)] for split, ks in keys]
+    rows = [[split, *(len(words[k]) for k in ks), *(int((words[k] == 0).sum()) for k in ks)] for split, ks in keys]
     print(table(["split", *(f"{lang} lines" for lang in langs), *(f"{lang} empty" for lang in langs)], rows))
     print("\nwords per line:")
     for split in SPLITS:
         for lang in langs:
             print(f"  {split}.{lang}: {summary(words[split, lang])}")
-    train = [text["train", lang] for lang in langs]
     print(f"\n{opts.n} sample pairs of train (spread over the file):")
-    for i in spread(min(map(len, train)), opts.n):
-        print(f"  line {i + 1}\n" + "".join(f"    {lang}: {side[i]}\n" for lang, side in zip(langs, train)), end="")
+    for i in picks:
+        print(f"  line {i + 1}\n" + "".join(f"    {lang}: {samples['train', lang][i]}\n" for lang in langs), end="")
     fig, axes = figure(len(SPLITS))
     for ax, split in zip(axes, SPLITS):
         length_histogram(ax, [words[split, lang] for lang in langs], list(langs), f"{split}: words per line", "words")
     save_png(fig, opts.out, "words.png")
     for split in SPLITS:
-        (a, na), (b, nb) = ((f"{split}.{lang}", len(text[split, lang])) for lang in langs)
+        (a, na), (b, nb) = ((f"{split}.{lang}", len(words[split, lang])) for lang in langs)
         if na != nb:
             raise InspectError(f"{shown(path / a)} has {na} lines but {b} has {nb}: expected the two sides to align "
                                "line by line")
