@@ -2,7 +2,8 @@
 
 A stage is part of a pipeline run only when DVC runs it: `dvc repro` and `dvc exp run` set
 DVC_STAGE to the stage's name and DVC_ROOT to the repository it runs in (dvc/stage/run.py,
-prepare_kwargs; torchrun passes both on to its workers). Anything else is a run by hand.
+prepare_kwargs; torchrun passes both on to its workers), except in a queued experiment's copy
+(work_root). Anything else is a run by hand.
 
 A metrics file describes the current pipeline run when DVC finds its stage, and
 every stage upstream of it, unchanged against dvc.lock (DVC's own comparison of
@@ -26,12 +27,31 @@ def run_by_dvc(stage: str) -> bool:
     return os.environ.get("DVC_STAGE", "").rsplit(":", 1)[-1] == stage  # `dir/dvc.yaml:name` outside the root
 
 
+EXPS_TMP = Path(".dvc") / "tmp" / "exps"  # where `dvc exp run --queue` / `--temp` copies the repo to run it
+
+
+def exp_copy_of(path: Path) -> Path | None:
+    """The repository whose experiment copy (<repo>/.dvc/tmp/exps/...) holds `path`, or None."""
+    parts = path.parts
+    for i in range(len(parts) - len(EXPS_TMP.parts)):
+        if Path(*parts[i : i + len(EXPS_TMP.parts)]) == EXPS_TMP:
+            return Path(*parts[:i])
+    return None
+
+
 def work_root() -> Path:
-    """The repository a stage runs in: $DVC_ROOT under DVC, else the nearest directory with dvc.yaml from the cwd up."""
-    if os.environ.get("DVC_ROOT"):
-        return Path(os.environ["DVC_ROOT"]).resolve()
+    """The repository a stage runs in: $DVC_ROOT under DVC, else the nearest directory with dvc.yaml from the cwd up.
+
+    Except in a queued or temp experiment: DVC sets $DVC_ROOT to the repository that queued it
+    (dvc/repo/experiments/queue/base.py) while the stage runs in that repository's copy under
+    .dvc/tmp/exps, whose dvc.lock and metrics files are this run's (the queueing repository's are another's).
+    """
     here = Path.cwd().resolve()
-    return next((d for d in (here, *here.parents) if (d / "dvc.yaml").is_file()), here)
+    found = next((d for d in (here, *here.parents) if (d / "dvc.yaml").is_file()), here)
+    if os.environ.get("DVC_ROOT"):
+        root = Path(os.environ["DVC_ROOT"]).resolve()
+        return found if exp_copy_of(found) == root else root
+    return found
 
 
 def unchanged(stage: Any) -> bool:

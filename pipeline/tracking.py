@@ -10,8 +10,8 @@ Browse:  mlflow ui --backend-store-uri sqlite:///mlflow.db --host 127.0.0.1
 
 Where: $MLFLOW_TRACKING_URI if set, else the sqlite database `mlflow.db` in
 the repo root as an absolute path. The root is where the stage runs
-($DVC_ROOT under DVC, else the nearest directory from the cwd up that holds
-dvc.yaml), never the params file's directory; inside the temporary copy that
+(pipeline/lineage.py, work_root: $DVC_ROOT under DVC, else the nearest
+directory from the cwd up that holds dvc.yaml), never the params file's directory; inside the temporary copy that
 `dvc exp run --queue` / `--temp` runs in (`<root>/.dvc/tmp/exps/<tmpdir>/`,
 dvc/repo/experiments/executor/local.py) it is the `<root>` that holds the
 copy, so queued experiments land in the same database. Experiment:
@@ -68,7 +68,6 @@ log = logging.getLogger(__name__)
 
 EXPERIMENT_PREFIX = "transformer"
 DB_NAME = "mlflow.db"
-EXPS_TMP = Path(".dvc") / "tmp" / "exps"
 ENV_DEFAULTS = {
     "MLFLOW_DISABLE_TELEMETRY": "true",
     "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
@@ -83,11 +82,7 @@ _disabled = False  # set by the first failure: tracking stays off for this proce
 def repo_root(work: Path | None = None) -> Path:
     """The repo whose mlflow.db is used: where stages run (lineage.work_root()), or the repo holding a dvc exp copy."""
     here = (work or lineage.work_root()).resolve()
-    parts = here.parts
-    for i in range(len(parts) - len(EXPS_TMP.parts)):
-        if Path(*parts[i : i + len(EXPS_TMP.parts)]) == EXPS_TMP:
-            return Path(*parts[:i])
-    return here
+    return lineage.exp_copy_of(here) or here
 
 
 def tracking_uri() -> str:

@@ -562,3 +562,5 @@ def test_two_queued_experiments_run_to_the_end_into_one_mlflow_store(pipeline):
         stages = [r.data.tags["stage"] for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
         assert "translate" in stages and parent.info.status == "FINISHED"
         assert "eval.bleu" in parent.data.metrics
+        # logged once, by its own run: never first copied from the queueing repo's metrics/eval.json (DVC_ROOT)
+        assert len(client.get_metric_history(parent.info.run_id, "eval.bleu")) == 1

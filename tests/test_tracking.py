@@ -19,7 +19,7 @@ import torch
 import yaml
 from mlflow.tracking import MlflowClient
 
-from pipeline import distributed, tracking
+from pipeline import distributed, lineage, tracking
 from stages import evaluate, train
 from tests.http_fixtures import FileServer
 from tests.test_evaluate import HYPS, REFS, write_split_files
@@ -78,6 +78,26 @@ def test_a_dvc_queue_temp_copy_tracks_into_the_repos_database(tmp_path, monkeypa
     assert tracking.tracking_uri() == f"sqlite:///{repo / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://tracking.example:5000")
     assert tracking.tracking_uri() == "http://tracking.example:5000"
+
+
+def test_a_queued_experiment_reads_its_own_copy_not_the_repo_that_queued_it(tmp_path, monkeypatch):
+    from dvc.repo.experiments.utils import EXEC_TMP_DIR
+
+    repo = tmp_path / "repo"
+    copy = repo / ".dvc" / "tmp" / EXEC_TMP_DIR / "tmpab12cd"
+    (copy / "sub").mkdir(parents=True)
+    for root in (repo, copy):
+        (root / "dvc.yaml").write_text("stages: {}\n")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    monkeypatch.setenv("DVC_ROOT", str(repo))  # what DVC sets in a queued experiment: the repo that queued it
+    monkeypatch.chdir(copy / "sub")  # where the stage runs: the copy, whose dvc.lock and metrics are this run's
+    assert lineage.work_root() == copy
+    assert tracking.tracking_uri() == f"sqlite:///{repo / 'mlflow.db'}"  # one store all the same
+    monkeypatch.chdir(repo)
+    assert lineage.work_root() == repo
+    monkeypatch.setenv("DVC_ROOT", str(tmp_path / "other"))  # a copy of another repo: DVC_ROOT as DVC set it
+    monkeypatch.chdir(copy)
+    assert lineage.work_root() == tmp_path / "other"
 
 
 def test_the_store_stays_at_the_repo_root_whatever_params_file_is_passed(tmp_path, monkeypatch):
