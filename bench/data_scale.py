@@ -1,7 +1,7 @@
 """Data-scale benchmark: the tokenize and batch stages on a WMT14-sized corpus, and batching on Multi30k.
 
     python -m bench.data_scale [--pairs 4500000] [--mirror DIR (default: $CORPUS_MIRROR, else ../shared/mirror)] [--work DIR]
-                               [--input-sentence-size 1000000] [--experiment wmt14_en_de_base]
+                               [--input-sentence-size N (default: the preset's)] [--experiment wmt14_en_de_base]
 
     python -m bench.data_scale --pairs 36000000 --experiment wmt14_en_fr_big   # the en-fr size
 
@@ -17,8 +17,8 @@
    French (train.fr holds German: the lengths and the work are alike).
 2. Runs `python -m stages.tokenize` with the `--experiment` preset's tokenizer
    (wmt14_en_de_base: BPE 37000; wmt14_en_fr_big: unigram 32000, Sec. 5.1;
-   sentencepiece trained on `--input-sentence-size` sampled sentences, 1M by
-   default to keep the run short, where the presets sample 10M) and
+   sentencepiece trained on the preset's sample of sentences, 10M for en-de
+   (all 9M at 4.5M pairs), 2M for en-fr, unless --input-sentence-size) and
    `python -m stages.batch` with the preset's batch and train params
    (max_tokens 3300 a GPU, 8 GPUs, unless --max-tokens), each as its own process, exactly as DVC
    calls them, printing wall time and peak memory (maxrss from wait4) per phase,
@@ -111,12 +111,13 @@ def synthesize(pool: dict, pairs: int, raw: Path, seed: int = 0, langs: tuple[st
             (raw / f"{split}.{lang}").write_text("\n".join(pool[corpus][pool_lang]) + "\n", encoding="utf-8")
 
 
-def write_params(path: Path, vocab_size: int | None, input_sentence_size: int, max_tokens: int | None = None,
+def write_params(path: Path, vocab_size: int | None, input_sentence_size: int | None, max_tokens: int | None = None,
                  experiment: str = "wmt14_en_de_base") -> dict:
-    """The preset's params with these knobs (vocab_size None: the preset's); a max_tokens given also sets one batch
-    per GPU a step. Returns them."""
+    """The preset's params with these knobs (None: the preset's); a max_tokens given also sets one batch per GPU a
+    step. Returns them."""
     params = compose([f"experiment={experiment}"])
-    params["tokenize"]["input_sentence_size"] = input_sentence_size
+    if input_sentence_size is not None:
+        params["tokenize"]["input_sentence_size"] = input_sentence_size
     if vocab_size is not None:
         params["tokenize"]["vocab_size"] = vocab_size
     if max_tokens is not None:
@@ -180,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     default_mirror = os.environ.get("CORPUS_MIRROR") or Path(__file__).resolve().parents[2] / "shared" / "mirror"
     parser.add_argument("--mirror", type=Path, default=Path(default_mirror))
     parser.add_argument("--work", type=Path, default=None, help="kept if given; else a temporary directory")
-    parser.add_argument("--input-sentence-size", type=int, default=1_000_000)
+    parser.add_argument("--input-sentence-size", type=int, default=None, help="default: the preset's")
     parser.add_argument("--max-tokens", type=int, default=None, help="default: the preset's batch.max_tokens")
     parser.add_argument("--experiment", choices=EXPERIMENTS, default="wmt14_en_de_base",
                         help="the preset whose languages, tokenizer and batching run (default: wmt14_en_de_base)")
@@ -206,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
         bm = json.loads((work / "batch.json").read_text())
         S, T = model_lengths(work / "tokenized", "train")
         print(f"\n{args.pairs} pairs, {preset['tokenize']['model_type']} vocab {tm['vocab_size']}, sentencepiece on "
-              f"{args.input_sentence_size or 'all'} sentences:")
+              f"{preset['tokenize']['input_sentence_size'] or 'all'} sentences:")
         print(f"  kept {tm['train_pairs']}, dropped empty {tm['dropped_empty']}, too long {tm['dropped_too_long']}, "
               f"ratio {tm['dropped_ratio']}")
         for side, L in (("src", S - 1), ("tgt", T - 1)):
