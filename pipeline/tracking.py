@@ -77,6 +77,8 @@ ENV_DEFAULTS = {
 MAX_BATCH = 100  # keys per log_batch call (below MLflow's limits)
 
 _disabled = False  # set by the first failure: tracking stays off for this process
+_in_call = 0  # MLflow calls under way (_guard): SIGTERM / SIGHUP wait for them to end
+_pending_signal = 0  # such a signal that arrived during one
 
 
 def repo_root(work: Path | None = None) -> Path:
@@ -205,6 +207,8 @@ def _guard(uri: str, fn: Callable[[], Any]) -> Any:
     global _disabled
     if _disabled:
         return None
+    global _in_call, _pending_signal
+    _in_call += 1
     try:
         return fn()
     except Exception as e:  # any failure of the tracking backend, by policy
@@ -213,6 +217,11 @@ def _guard(uri: str, fn: Callable[[], Any]) -> Any:
         log.warning("MLflow tracking at %s failed (%s); tracking is off for the rest of this process, "
                     "the DVC metrics files remain the record", uri, first_line[:300])
         return None
+    finally:
+        _in_call -= 1
+        if _in_call == 0 and _pending_signal:  # a SIGTERM / SIGHUP that arrived during the call: raised now
+            signum, _pending_signal = _pending_signal, 0
+            raise Stopped(128 + signum)
 
 
 def _client(uri: str) -> Any:
@@ -305,6 +314,11 @@ class Stopped(SystemExit):
 def _stop_on_signals() -> Iterator[None]:
     """SIGTERM and SIGHUP raise Stopped (as SIGINT raises KeyboardInterrupt) where they would kill silently."""
     def stop(signum: int, _frame: Any) -> None:
+        global _pending_signal
+        if _in_call:  # inside an MLflow call: raised when it ends, or its database session is left unusable
+            # and the runs stay RUNNING
+            _pending_signal = signum
+            return
         raise Stopped(128 + signum)
 
     previous = {}

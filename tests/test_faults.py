@@ -561,6 +561,8 @@ def test_two_queued_experiments_run_to_the_end_into_one_mlflow_store(pipeline):
     for parent in parents.values():
         stages = [r.data.tags["stage"] for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
         assert "translate" in stages and parent.info.status == "FINISHED"
-        assert "eval.bleu" in parent.data.metrics
-        # logged once, by its own run: never first copied from the queueing repo's metrics/eval.json (DVC_ROOT)
-        assert len(client.get_metric_history(parent.info.run_id, "eval.bleu")) == 1
+        # DVC finds evaluate's deps and params in its run-cache and restores its output without running it: no
+        # stage of this run scored the translations, so its run holds no BLEU (`dvc exp show` has DVC's record).
+        # It used to get the queueing repo's metrics/eval.json (DVC_ROOT names that repo, not the copy that runs).
+        assert "evaluate" not in stages and "eval.bleu" not in parent.data.metrics
+        assert parent.data.metrics["train.steps"] == 40  # the copy's own metrics/train.json (max_steps 40, step 2 above)

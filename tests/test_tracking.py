@@ -187,6 +187,29 @@ def test_a_failing_stage_marks_its_run_failed(tmp_path, monkeypatch):
     assert child.info.status == "FAILED"
 
 
+def test_a_sigterm_during_an_mlflow_call_is_raised_after_it_and_the_runs_end_killed(tmp_path, monkeypatch):
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("DVC_STAGE", "average")  # a child of a pipeline run, as `dvc repro` runs it
+    monkeypatch.setenv("DVC_ROOT", str(tmp_path))
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({"average": {"last_n": 5}}))
+    logged = []
+    with pytest.raises(tracking.Stopped) as stopped:
+        with tracking.stage_run("average", stage_args_of(params)) as run:
+            real = run.client.log_batch
+
+            def log_batch(*args, **kwargs):  # the signal lands in the middle of an MLflow call
+                os.kill(os.getpid(), signal.SIGTERM)
+                logged.append(real(*args, **kwargs))  # the call still runs to its end
+            monkeypatch.setattr(run.client, "log_batch", log_batch)
+            run.log_metrics({"x": 1.0})
+            raise AssertionError("SIGTERM was not raised once the call ended")
+    assert stopped.value.code == 128 + signal.SIGTERM and len(logged) == 1
+    runs = all_runs(uri)
+    assert len(runs) == 2 and {r.info.status for r in runs} == {"KILLED"}
+
+
 def test_an_unreachable_server_costs_one_warning_and_seconds(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{closed_port()}")
     for key in tracking.ENV_DEFAULTS:  # our low retry and timeout defaults, not the caller's; unset afterwards
