@@ -221,8 +221,9 @@ class Trainer:
                 "data_position": {"epoch": p.epoch, "cursor": p.cursor}, "elapsed_seconds": p.elapsed_seconds,
                 "train_tokens": p.train_tokens, "progress": asdict(p),
             }
-            log.info("step %d: saved %s", p.step, ckpt.save_checkpoint(self.checkpoints, state, self.cfg.keep_checkpoints))
-            self.saved_step = p.step
+            saved = ckpt.save_checkpoint(self.checkpoints, state, self.cfg.keep_checkpoints)
+            self.saved_step = p.step  # before logging: a Ctrl-C there must not forget the checkpoint on disk
+            log.info("step %d: saved %s", p.step, saved)
 
     def record(self, row: list) -> None:
         """Append a plot row (step, loss, lr, tokens_per_second, valid_ppl) and rewrite the CSV."""
