@@ -204,10 +204,9 @@ class StageRun:
 
 def _guard(uri: str, fn: Callable[[], Any]) -> Any:
     """Run one MLflow call; on the first failure warn once and switch tracking off."""
-    global _disabled
+    global _disabled, _in_call, _pending_signal
     if _disabled:
         return None
-    global _in_call, _pending_signal
     _in_call += 1
     try:
         return fn()
