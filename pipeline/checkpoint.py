@@ -34,7 +34,7 @@ import torch
 
 from model.config import ModelConfig
 from model.transformer import Transformer
-from pipeline import faults
+from pipeline import faults, signals
 from pipeline.errors import PipelineError
 from pipeline.files import InputError, atomic_file, write_text
 
@@ -93,14 +93,15 @@ def save_checkpoint(directory: str | Path, payload: dict, keep: int) -> Path:
     if keep < 1:
         raise ValueError(f"save_checkpoint: keep must be at least 1, got {keep}")
     path = Path(directory) / checkpoint_name(int(payload["step"]))
-    with atomic_file(path, "wb") as f:
-        writer = _HashingWriter(f)
-        torch.save(payload, writer)
-        faults.inject("checkpoint_write", int(payload["step"]))  # tests only: killed with the temporary file unrenamed
-    write_text(sidecar(path), f"{writer.sha.hexdigest()}  {path.name}\n")
-    for _, old in step_files(directory)[:-keep]:
-        old.unlink(missing_ok=True)
-        sidecar(old).unlink(missing_ok=True)
+    with signals.held():  # Ctrl-C inside torch.save's write callback would become its RuntimeError
+        with atomic_file(path, "wb") as f:
+            writer = _HashingWriter(f)
+            torch.save(payload, writer)
+            faults.inject("checkpoint_write", int(payload["step"]))  # tests only: killed, temporary file unrenamed
+        write_text(sidecar(path), f"{writer.sha.hexdigest()}  {path.name}\n")
+        for _, old in step_files(directory)[:-keep]:
+            old.unlink(missing_ok=True)
+            sidecar(old).unlink(missing_ok=True)
     return path
 
 

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Callable, NoReturn
 
+from pipeline import signals
 from pipeline.errors import PipelineError
 
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
@@ -54,7 +55,8 @@ def run(main: Callable[[], None]) -> None:
     """Run a stage's main() as its command: expected failures and Ctrl-C end as one line on stderr (module doc)."""
     stage = Path(main.__code__.co_filename).stem
     try:
-        main()
+        with signals.stopping():
+            main()
     except PipelineError as e:
         _fail(stage, "error", str(e), EXIT_ERROR)
     except OSError as e:

@@ -32,9 +32,10 @@ gets a run of its own, named `<stage> (by hand)` and tagged hand_run, with no
 parent and no metrics files: it never joins, nor changes, a pipeline run.
 Every stage's run is tagged `path.<argument>` with the paths it was given.
 
-Runs end FINISHED, FAILED (an exception) or KILLED (SIGINT, or SIGTERM/SIGHUP,
-which raise SystemExit while a run is open, so the runs are closed on the way
-out; SIGKILL cannot be caught).
+Runs end FINISHED, FAILED (an exception) or KILLED (SIGINT, SIGTERM or SIGHUP:
+pipeline/signals.py raises them as exceptions while a run is open, so the runs
+are closed on the way out; one arriving inside an MLflow call waits for the call
+to end; SIGKILL cannot be caught).
 
 Failure policy: tracking never stops a stage. The first MLflow error (server
 unreachable, gone mid-run, database locked...) logs ONE warning and turns
@@ -53,16 +54,14 @@ import json
 import logging
 import math
 import os
-import signal
 import subprocess
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import yaml
 
-from pipeline import lineage, views
+from pipeline import lineage, signals, views
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +76,6 @@ ENV_DEFAULTS = {
 MAX_BATCH = 100  # keys per log_batch call (below MLflow's limits)
 
 _disabled = False  # set by the first failure: tracking stays off for this process
-_in_call = 0  # MLflow calls under way (_guard): SIGTERM / SIGHUP wait for them to end
-_pending_signal = 0  # such a signal that arrived during one
 
 
 def repo_root(work: Path | None = None) -> Path:
@@ -204,23 +201,18 @@ class StageRun:
 
 def _guard(uri: str, fn: Callable[[], Any]) -> Any:
     """Run one MLflow call; on the first failure warn once and switch tracking off."""
-    global _disabled, _in_call, _pending_signal
+    global _disabled
     if _disabled:
         return None
-    _in_call += 1
-    try:
-        return fn()
-    except Exception as e:  # any failure of the tracking backend, by policy
-        _disabled = True
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        log.warning("MLflow tracking at %s failed (%s); tracking is off for the rest of this process, "
-                    "the DVC metrics files remain the record", uri, first_line[:300])
-        return None
-    finally:
-        _in_call -= 1
-        if _in_call == 0 and _pending_signal:  # a SIGTERM / SIGHUP that arrived during the call: raised now
-            signum, _pending_signal = _pending_signal, 0
-            raise Stopped(128 + signum)
+    with signals.held():  # a signal raised mid-call would leave the database session unusable, the runs RUNNING
+        try:
+            return fn()
+        except Exception as e:  # any failure of the tracking backend, by policy
+            _disabled = True
+            first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            log.warning("MLflow tracking at %s failed (%s); tracking is off for the rest of this process, "
+                        "the DVC metrics files remain the record", uri, first_line[:300])
+            return None
 
 
 def _client(uri: str) -> Any:
@@ -305,33 +297,6 @@ def _copy_dvc_metrics(parent: StageRun, paths: list[Path]) -> None:
     parent.set_tags(strings)
 
 
-class Stopped(SystemExit):
-    """SIGTERM or SIGHUP arrived while a stage's run was open."""
-
-
-@contextlib.contextmanager
-def _stop_on_signals() -> Iterator[None]:
-    """SIGTERM and SIGHUP raise Stopped (as SIGINT raises KeyboardInterrupt) where they would kill silently."""
-    def stop(signum: int, _frame: Any) -> None:
-        global _pending_signal
-        if _in_call:  # inside an MLflow call: raised when it ends, or its database session is left unusable
-            # and the runs stay RUNNING
-            _pending_signal = signum
-            return
-        raise Stopped(128 + signum)
-
-    previous = {}
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGHUP):
-            if signal.getsignal(sig) is signal.SIG_DFL:  # an ignored SIGHUP (nohup) stays ignored
-                previous[sig] = signal.signal(sig, stop)
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
 @contextlib.contextmanager
 def stage_run(stage: str, args: argparse.Namespace, enabled: bool = True) -> Iterator[StageRun]:
     """Open the run of `stage` (args: its parsed command line: --params, its paths); close it and its parent on exit."""
@@ -349,11 +314,11 @@ def stage_run(stage: str, args: argparse.Namespace, enabled: bool = True) -> Ite
     _copy_dvc_metrics(parent, current)
     status = "FAILED"
     try:
-        with _stop_on_signals():
+        with signals.stopping():
             yield run
         status = "FINISHED"
-    except (KeyboardInterrupt, Stopped):
-        status = "KILLED"
+    except BaseException as e:
+        status = "KILLED" if signals.caused_by_signal(e) else "FAILED"
         raise
     finally:
         if status == "FINISHED" and run.active:  # its output as tools.inspect shows it (pipeline/views.py)

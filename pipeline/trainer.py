@@ -53,7 +53,7 @@ from model.loss import SmoothedLoss, real_hidden, smoothed_and_nll
 from model.schedule import lrate
 from model.transformer import Transformer
 from pipeline import checkpoint as ckpt
-from pipeline import distributed, faults, peak, steps, tracking
+from pipeline import distributed, faults, peak, signals, steps, tracking
 from pipeline.config import TrainConfig
 from pipeline.distributed import Dist
 from pipeline.files import write_text
@@ -221,8 +221,9 @@ class Trainer:
                 "data_position": {"epoch": p.epoch, "cursor": p.cursor}, "elapsed_seconds": p.elapsed_seconds,
                 "train_tokens": p.train_tokens, "progress": asdict(p),
             }
-            saved = ckpt.save_checkpoint(self.checkpoints, state, self.cfg.keep_checkpoints)
-            self.saved_step = p.step  # before logging: a Ctrl-C there must not forget the checkpoint on disk
+            with signals.held():  # a Ctrl-C while saving is raised once saved_step names the checkpoint on disk
+                saved = ckpt.save_checkpoint(self.checkpoints, state, self.cfg.keep_checkpoints)
+                self.saved_step = p.step
             log.info("step %d: saved %s", p.step, saved)
 
     def record(self, row: list) -> None:

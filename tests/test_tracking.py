@@ -19,7 +19,7 @@ import torch
 import yaml
 from mlflow.tracking import MlflowClient
 
-from pipeline import distributed, lineage, tracking
+from pipeline import distributed, lineage, signals, tracking
 from stages import evaluate, train
 from tests.http_fixtures import FileServer
 from tests.test_evaluate import HYPS, REFS, write_split_files
@@ -187,7 +187,8 @@ def test_a_failing_stage_marks_its_run_failed(tmp_path, monkeypatch):
     assert child.info.status == "FAILED"
 
 
-def test_a_sigterm_during_an_mlflow_call_is_raised_after_it_and_the_runs_end_killed(tmp_path, monkeypatch):
+@pytest.mark.parametrize("sig, raised", [(signal.SIGTERM, signals.Stopped), (signal.SIGINT, KeyboardInterrupt)])
+def test_a_signal_during_an_mlflow_call_is_raised_after_it_and_the_runs_end_killed(tmp_path, monkeypatch, sig, raised):
     uri = f"sqlite:///{tmp_path / 'store.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     monkeypatch.setenv("DVC_STAGE", "average")  # a child of a pipeline run, as `dvc repro` runs it
@@ -195,17 +196,35 @@ def test_a_sigterm_during_an_mlflow_call_is_raised_after_it_and_the_runs_end_kil
     params = tmp_path / "params.yaml"
     params.write_text(yaml.safe_dump({"average": {"last_n": 5}}))
     logged = []
-    with pytest.raises(tracking.Stopped) as stopped:
+    with pytest.raises(raised) as stopped:
         with tracking.stage_run("average", stage_args_of(params)) as run:
             real = run.client.log_batch
 
             def log_batch(*args, **kwargs):  # the signal lands in the middle of an MLflow call
-                os.kill(os.getpid(), signal.SIGTERM)
+                os.kill(os.getpid(), sig)
                 logged.append(real(*args, **kwargs))  # the call still runs to its end
             monkeypatch.setattr(run.client, "log_batch", log_batch)
             run.log_metrics({"x": 1.0})
-            raise AssertionError("SIGTERM was not raised once the call ended")
-    assert stopped.value.code == 128 + signal.SIGTERM and len(logged) == 1
+            raise AssertionError("the signal was not raised once the call ended")
+    assert len(logged) == 1 and (sig == signal.SIGINT or stopped.value.code == 128 + sig)
+    runs = all_runs(uri)
+    assert len(runs) == 2 and {r.info.status for r in runs} == {"KILLED"}
+
+
+def test_an_error_raised_while_handling_ctrl_c_ends_the_runs_killed_not_failed(tmp_path, monkeypatch):
+    """A library that turns a KeyboardInterrupt into its own error (torch.save did) still closes the runs KILLED."""
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("DVC_STAGE", "average")
+    monkeypatch.setenv("DVC_ROOT", str(tmp_path))
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({"average": {"last_n": 5}}))
+    with pytest.raises(RuntimeError, match="unexpected pos"):
+        with tracking.stage_run("average", stage_args_of(params)):
+            try:
+                raise KeyboardInterrupt
+            except KeyboardInterrupt:
+                raise RuntimeError("unexpected pos 64 vs 25041") from None  # `from None` keeps __context__
     runs = all_runs(uri)
     assert len(runs) == 2 and {r.info.status for r in runs} == {"KILLED"}
 
@@ -329,8 +348,8 @@ def test_a_killed_stage_closes_its_run_and_its_parent_as_killed(tmp_path, sig, k
         proc.kill()
     assert proc.returncode != 0, stderr[-3000:]
     runs = [r for r in all_runs(uri) if r.data.tags["params_hash"] == params_hash]
-    assert len(runs) == 2 and {r.info.status for r in runs} == {"KILLED"}, [(r.info.run_name, r.info.status)
-                                                                             for r in runs]
+    assert len(runs) == 2 and {r.info.status for r in runs} == {"KILLED"}, \
+        ([(r.info.run_name, r.info.status) for r in runs], stderr[-3000:])
 
 
 def test_a_finished_stage_logs_its_view_and_a_view_that_fails_costs_one_warning(tmp_path, monkeypatch, caplog):

@@ -1,0 +1,92 @@
+"""How a stage stops on a signal, and the few places a signal must wait for.
+
+    with signals.stopping():     # pipeline.cli.run and tracking.stage_run: SIGINT -> KeyboardInterrupt,
+        ...                      # SIGTERM / SIGHUP -> Stopped (a SystemExit), so `finally` blocks run
+    with signals.held():         # an MLflow call, a checkpoint being written: the first signal waits
+        ...                      # until the block ends, then is raised; a second one is raised at once
+    signals.caused_by_signal(e)  # True when `e` or an exception it was raised from is one of those
+
+A signal raised inside a library's C++ or database code turns into that code's
+error or leaves it half done: in torch.save (a Python write callback) it became
+"RuntimeError: ... unexpected pos"; in an MLflow call it left the database
+session unusable, so the runs stayed RUNNING. Both are `held()` sections. A
+SIGINT that a shell set to be ignored (background jobs) and an ignored SIGHUP
+(nohup) stay ignored; SIGKILL cannot be caught.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from typing import Any, Iterator
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+_depth = 0  # held() sections under way
+_pending = 0  # the signal that arrived during one, raised when the outermost ends
+
+
+class Stopped(SystemExit):
+    """SIGTERM or SIGHUP arrived; its code is 128 + the signal number, as a shell reports it."""
+
+
+def _raise(signum: int) -> None:
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    raise Stopped(128 + signum)
+
+
+def _handler(signum: int, _frame: Any) -> None:
+    global _pending
+    if _depth and not _pending:
+        _pending = signum
+        return
+    _raise(signum)
+
+
+def _default(sig: int) -> bool:
+    """Still Python's own handling (not ignored, not someone else's handler)."""
+    current = signal.getsignal(sig)
+    return current is (signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def stopping() -> Iterator[None]:
+    """Install the handler for the signals still at their defaults (main thread only); restore them on exit."""
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in SIGNALS:
+            if _default(sig):
+                previous[sig] = signal.signal(sig, _handler)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def held() -> Iterator[None]:
+    """Hold the first stopping signal until the block ends (nested blocks: the outermost), then raise it."""
+    global _depth, _pending
+    _depth += 1
+    try:
+        yield
+    finally:
+        _depth -= 1
+        if _depth == 0 and _pending:
+            signum, _pending = _pending, 0
+            _raise(signum)
+
+
+def caused_by_signal(error: BaseException) -> bool:
+    """`error`, or one it was raised from or while handling, is a KeyboardInterrupt or Stopped."""
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        if isinstance(e, (KeyboardInterrupt, Stopped)):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
