@@ -23,6 +23,8 @@ from pipeline.errors import PipelineError
 
 log = logging.getLogger(__name__)
 
+CHUNK_LINES = 100_000  # text lines decoded at a time (read_chunks): memory bounded whatever the file's size
+
 
 class OutputError(PipelineError, OSError):
     """Writing an output failed; the previous output, if any, is untouched."""
@@ -127,6 +129,30 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
         if (error := _as_output_error(e, path, tmp)) is e:
             raise
         raise error from e
+
+
+def read_chunks(path: Path, chunk_lines: int = CHUNK_LINES, limit: int | None = None) -> Iterator[list[str]]:
+    """The lines of a UTF-8 text file (split at "\\n" only), without newlines, `chunk_lines` at a time, the first
+    `limit` only if given: a WMT-size corpus is never held whole. Invalid UTF-8 raises InputError naming the line."""
+    start = 0
+    with open(path, "rb") as f:
+        lines = f if limit is None else itertools.islice(f, limit)
+        while chunk := list(itertools.islice(lines, chunk_lines)):
+            try:
+                decoded = [line.rstrip(b"\n").decode("utf-8") for line in chunk]
+            except UnicodeDecodeError:
+                bad, e = next((i, e) for i, e in enumerate(map(_utf8_error, chunk)) if e is not None)
+                raise InputError(f"{path}:{start + bad + 1}: not valid UTF-8 ({e.reason})") from None
+            yield decoded
+            start += len(chunk)
+
+
+def _utf8_error(line: bytes) -> UnicodeDecodeError | None:
+    try:
+        line.decode("utf-8")
+        return None
+    except UnicodeDecodeError as e:
+        return e
 
 
 def count_lines(path: Path) -> int:

@@ -23,9 +23,9 @@ import sentencepiece as spm
 from sentencepiece import sentencepiece_model_pb2
 
 from pipeline.config import ParamsError, TokenizeConfig
+from pipeline.files import read_chunks
 from pipeline.formats import BOS_ID, EOS_ID, ID_DTYPE, PAD_ID, UNK_ID
 
-CHUNK_LINES = 100_000  # lines encoded at a time: bounds memory whatever the corpus size
 DROP_REASONS = ("empty", "too_long", "ratio")
 
 
@@ -81,13 +81,6 @@ def portable(model: bytes) -> bytes:
     proto.trainer_spec.model_prefix = Path(proto.trainer_spec.model_prefix).name
     proto.trainer_spec.ClearField("num_threads")
     return proto.SerializeToString(deterministic=True)
-
-
-def read_chunks(path: Path, chunk_lines: int = CHUNK_LINES) -> Iterator[list[str]]:
-    """Yield the lines of a UTF-8 file (checked by count_lines), without newlines, `chunk_lines` at a time."""
-    with open(path, "rb") as f:
-        while chunk := list(itertools.islice(f, chunk_lines)):
-            yield [line.rstrip(b"\n").decode("utf-8") for line in chunk]
 
 
 def encode(sp: spm.SentencePieceProcessor, lines: list[str]) -> tuple[np.ndarray, np.ndarray]:

@@ -30,9 +30,9 @@ from tqdm import tqdm
 
 from pipeline import cli, config, tracking
 from pipeline.config import DataConfig, TokenizeConfig
-from pipeline.files import InputError, atomic_dir, count_lines, write_json
+from pipeline.files import InputError, atomic_dir, count_lines, read_chunks, write_json
 from pipeline.formats import OFFSET_DTYPE, SPLITS, UNK_ID, split_paths
-from pipeline.subwords import DROP_REASONS, drop_reasons, encode, read_chunks, train_model
+from pipeline.subwords import DROP_REASONS, drop_reasons, encode, train_model
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import yaml
 
 from stages import tokenize
 from pipeline.config import ParamsError
-from pipeline.files import InputError
+from pipeline.files import InputError, read_chunks
 from pipeline.formats import SPLITS, UNK_ID, load_split, read_meta
 from tests.translation_fixtures import shared_store, store  # noqa: F401 (fixtures: one MLflow store per module)
 
@@ -203,3 +203,17 @@ def test_empty_training_set_after_filtering_is_a_clear_error(tmp_path, corpus):
 def test_vocabulary_too_large_for_the_corpus_names_the_key(tmp_path, corpus):
     write_raw(tmp_path / "raw", corpus)
     assert_fails_cleanly(tmp_path, tmp_path / "raw", ParamsError, r"tokenize\.vocab_size = 5000", vocab_size=5000)
+
+
+def test_read_chunks_splits_at_newlines_only_stops_at_the_limit_and_names_a_bad_line(tmp_path):
+    path = tmp_path / "train.en"
+    lines = [f"line {i}\u2028with a separator" if i % 5 == 0 else f"line {i}" for i in range(23)]
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    assert [len(c) for c in read_chunks(path, 10)] == [10, 10, 3]
+    assert [line for c in read_chunks(path, 10) for line in c] == lines  # U+2028 is not a line end here
+    assert [line for c in read_chunks(path, 4, limit=9) for line in c] == lines[:9]
+    with open(path, "ab") as f:
+        f.write(b"ok\nbad \xff byte\n")
+    with pytest.raises(InputError, match=r"train\.en:25: not valid UTF-8 \(invalid start byte\)"):
+        for _ in read_chunks(path, 10):
+            pass

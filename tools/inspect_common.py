@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import itertools
 import json
 import re
 from dataclasses import dataclass
@@ -17,12 +16,11 @@ from pipeline import config
 from pipeline.config import DataConfig, ParamsError
 from pipeline.formats import read_meta
 from pipeline.scoring import read_lines
-from pipeline.files import write_bytes
+from pipeline.files import CHUNK_LINES, InputError, read_chunks, write_bytes
 
 T = TypeVar("T")
 
 NUMBER = re.compile(r"-?[\d,]+(\.\d+)?%?")  # a table cell right-aligned as a number
-CHUNK_LINES = 100_000  # text lines decoded at a time (text_chunks)
 TEXT_FILE = re.compile(r"^(train|valid|test)\.([A-Za-z][A-Za-z_-]*)$")  # raw and translated text: {split}.{lang}
 
 
@@ -75,25 +73,10 @@ def text_chunks(path: Path, expected: str, limit: int | None = None) -> Iterator
     invalid UTF-8 is an error naming the file (and line) and what was expected."""
     if not path.is_file():
         raise FileNotFoundError(f"{shown(path)}: missing; expected {expected}")
-    start = 0
-    with open(path, "rb") as f:
-        lines = f if limit is None else itertools.islice(f, limit)
-        while chunk := list(itertools.islice(lines, CHUNK_LINES)):
-            try:
-                yield [line.rstrip(b"\n").decode("utf-8") for line in chunk]
-            except UnicodeDecodeError as e:
-                bad = next(i for i, line in enumerate(chunk) if not _is_utf8(line))
-                raise InspectError(f"{shown(path)}:{start + bad + 1}: not valid UTF-8 ({e.reason}); "
-                                   f"expected {expected}") from None
-            start += len(chunk)
-
-
-def _is_utf8(line: bytes) -> bool:
     try:
-        line.decode("utf-8")
-        return True
-    except UnicodeDecodeError:
-        return False
+        yield from read_chunks(path, CHUNK_LINES, limit)
+    except InputError as e:
+        raise InspectError(f"{e}; expected {expected}") from None
 
 
 def scan_text(path: Path, expected: str, keep: set[int] = frozenset()) -> tuple[np.ndarray, dict[int, str]]:
