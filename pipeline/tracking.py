@@ -14,7 +14,9 @@ the repo root as an absolute path. The root is where the stage runs
 directory from the cwd up that holds dvc.yaml), never the params file's directory; inside the temporary copy that
 `dvc exp run --queue` / `--temp` runs in (`<root>/.dvc/tmp/exps/<tmpdir>/`,
 dvc/repo/experiments/executor/local.py) it is the `<root>` that holds the
-copy, so queued experiments land in the same database. Experiment:
+copy, so queued experiments land in the same database (a sqlite store is opened
+under the file lock `<database>.lock`: queued experiments start together, and
+the first client creates a new store's tables). Experiment:
 `transformer-<data.name>` (runs on the same data compare).
 
 A stage run by DVC (pipeline/lineage.py: $DVC_STAGE) is a child of its
@@ -74,6 +76,7 @@ ENV_DEFAULTS = {
     "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "0",
 }
 MAX_BATCH = 100  # keys per log_batch call (below MLflow's limits)
+OPEN_LOCK_SECONDS = 120  # the longest a stage waits for others opening their runs in the same sqlite store
 
 _disabled = False  # set by the first failure: tracking stays off for this process
 
@@ -223,6 +226,16 @@ def _client(uri: str) -> Any:
     return MlflowClient(tracking_uri=uri)
 
 
+def _store_lock(uri: str) -> contextlib.AbstractContextManager:
+    """For a sqlite store, its file lock `<database>.lock`: queued experiments start their stages together, and each
+    would create a new store's tables (and the experiment) itself; all but one failed and ran untracked."""
+    if not uri.startswith("sqlite:///"):
+        return contextlib.nullcontext()
+    from filelock import FileLock
+
+    return FileLock(uri.removeprefix("sqlite:///") + ".lock", timeout=OPEN_LOCK_SECONDS)
+
+
 def _experiment_id(client: Any, name: str, uri: str) -> str:
     found = client.get_experiment_by_name(name)
     if found is not None:
@@ -230,7 +243,12 @@ def _experiment_id(client: Any, name: str, uri: str) -> str:
     location = None
     if uri.startswith("sqlite:///"):
         location = (Path(uri.removeprefix("sqlite:///")).parent / "mlartifacts").as_uri()
-    return client.create_experiment(name, artifact_location=location)
+    try:
+        return client.create_experiment(name, artifact_location=location)
+    except Exception:  # a tracking server: another stage created it meanwhile
+        if (found := client.get_experiment_by_name(name)) is None:
+            raise
+        return found.experiment_id
 
 
 def pipeline_tags(params_path: Path) -> dict[str, str]:
@@ -276,19 +294,21 @@ def _current_metrics(stage: str, finished: bool) -> list[Path]:
         return []
 
 
-def _open(client: Any, uri: str, stage: str, args: argparse.Namespace) -> tuple[str, str | None, list[Path]]:
-    """Create the stage's run (under its pipeline's parent when DVC runs it): (run_id, parent_id, current files)."""
+def _open(uri: str, stage: str, args: argparse.Namespace) -> tuple[Any, str, str | None, list[Path]]:
+    """Create the stage's run (under its pipeline's parent when DVC runs it): (client, run_id, parent_id, current files)."""
     tags = pipeline_tags(Path(args.params))
-    experiment_id = _experiment_id(client, f"{EXPERIMENT_PREFIX}-{tags['data_name']}", uri)
+    with _store_lock(uri):  # the client creates a new sqlite store's tables
+        client = _client(uri)
+        experiment_id = _experiment_id(client, f"{EXPERIMENT_PREFIX}-{tags['data_name']}", uri)
     own = {k: v for k, v in tags.items() if k != "pipeline_key"} | {"stage": stage}
     own |= {f"path.{k}": str(v) for k, v in path_arguments(args).items()}
     if not lineage.run_by_dvc(stage):
         run = client.create_run(experiment_id, tags=own | {"hand_run": "true"}, run_name=f"{stage} (by hand)")
-        return run.info.run_id, None, []
+        return client, run.info.run_id, None, []
     current = _current_metrics(stage, finished=False)
     parent_id = _open_parent(client, experiment_id, tags)
     run = client.create_run(experiment_id, tags=own | {"mlflow.parentRunId": parent_id}, run_name=stage)
-    return run.info.run_id, parent_id, current
+    return client, run.info.run_id, parent_id, current
 
 
 def _copy_dvc_metrics(parent: StageRun, paths: list[Path]) -> None:
@@ -304,12 +324,11 @@ def stage_run(stage: str, args: argparse.Namespace, enabled: bool = True) -> Ite
         yield StageRun()
         return
     uri = tracking_uri()
-    client = _guard(uri, lambda: _client(uri))
-    opened = _guard(uri, lambda: _open(client, uri, stage, args)) if client is not None else None
+    opened = _guard(uri, lambda: _open(uri, stage, args))
     if opened is None:
         yield StageRun()
         return
-    run_id, parent_id, current = opened
+    client, run_id, parent_id, current = opened
     run, parent = StageRun(client, run_id, uri), StageRun(client, parent_id, uri)
     _copy_dvc_metrics(parent, current)
     status = "FAILED"

@@ -229,6 +229,37 @@ def test_an_error_raised_while_handling_ctrl_c_ends_the_runs_killed_not_failed(t
     assert len(runs) == 2 and {r.info.status for r in runs} == {"KILLED"}
 
 
+OPEN_ONE_RUN = """
+import argparse, sys, time
+from pathlib import Path
+from pipeline import tracking
+while time.time() < float(sys.argv[2]):  # every process opens at the same moment
+    time.sleep(0.001)
+with tracking.stage_run("average", argparse.Namespace(params=Path(sys.argv[1]))) as run:
+    run.log_metrics({"x": 1.0})
+"""
+
+
+def test_stages_that_start_together_on_a_new_store_all_get_their_runs(tmp_path):
+    """Queued experiments (`tools.seeds --run -j 3`) start their first stages at once: each used to create the new
+    sqlite store's tables (and the experiment) itself; the losers warned and ran untracked."""
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    procs = []
+    start = time.time() + 8  # after the imports of every process
+    for k in range(4):
+        params = tmp_path / f"params{k}.yaml"  # four pipelines: four parents
+        params.write_text(yaml.safe_dump({"average": {"last_n": k + 1}}))
+        env = stage_env(MLFLOW_TRACKING_URI=uri, DVC_STAGE="average", DVC_ROOT=str(tmp_path), OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, "-c", OPEN_ONE_RUN, str(params), str(start)], cwd=ROOT, env=env,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    errors = [p.communicate(timeout=300)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0] * 4, errors
+    assert not any("tracking is off" in e for e in errors), errors
+    runs = all_runs(uri)
+    assert len(runs) == 8 and {r.info.status for r in runs} == {"FINISHED"}
+    assert len({r.info.experiment_id for r in runs}) == 1
+
+
 def test_an_unreachable_server_costs_one_warning_and_seconds(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{closed_port()}")
     for key in tracking.ENV_DEFAULTS:  # our low retry and timeout defaults, not the caller's; unset afterwards
