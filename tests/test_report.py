@@ -27,7 +27,7 @@ def no_global_tracking_uri():
 
 def log_pipeline_run(client: MlflowClient, name: str, warmup_steps: int, bleu: float, bleu_tokenized: float,
                      hours: float, trained: bool = True, seed: int = 1, commit: str = "0123456789abcdef",
-                     **more_metrics: float) -> None:
+                     stopped_by: str = "max_steps", **more_metrics: float) -> None:
     """A pipeline run as pipeline.tracking records one: a tagged parent with the metrics files, a child per stage.
 
     more_metrics: other metrics of the parent, `train_valid_ppl=5.1` for train.valid_ppl."""
@@ -35,7 +35,7 @@ def log_pipeline_run(client: MlflowClient, name: str, warmup_steps: int, bleu: f
     experiment_id = experiment.experiment_id if experiment else client.create_experiment("transformer-multi30k")
     tags = {"pipeline_key": f"key-{name}", "git_commit": commit, "preset": "multi30k_small",
             "params_hash": f"hash-{name}", "data_name": "multi30k", "dvc_exp_name": name,
-            "train.device": "cpu (2 threads/process)",
+            "train.device": "cpu (2 threads/process)", "train.stopped_by": stopped_by,
             "eval.signature": "nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:2.6.0"}
     if trained:
         tags["train.params_hash"] = f"{name:0<8}-weights"
@@ -61,7 +61,7 @@ def test_report_tables_both_runs_with_the_params_that_differ_and_plots_them(tmp_
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(uri)
     log_pipeline_run(client, "warm4000", 4000, 34.5, 36.25, 0.3)
-    log_pipeline_run(client, "warm8000", 8000, 33.0, 35.5, 0.35)
+    log_pipeline_run(client, "warm8000", 8000, 33.0, 35.5, 0.35, stopped_by="max_minutes")
     out = tmp_path / "reports"
     report.main(["--out", str(out), "--tracking-uri", uri])
 
@@ -80,6 +80,8 @@ def test_report_tables_both_runs_with_the_params_that_differ_and_plots_them(tmp_
     assert row["FLOPs counted"] == "3.85e+14" and row["FLOPs paper's way"] == "8.40e+14"
     assert row["FLOPs at peak"] == "1.26e+15"  # 0.35 h x 3600 s x 1 device x 1e12 FLOP/s
     assert row["device"] == "1 x cpu (2 threads/process)" and row["model"] == "warm8000"
+    assert row["stopped by"] == "max_minutes"  # the wall-clock safety stop fired: shown, not hidden
+    assert dict(zip(columns, rows["warm4000"]))["stopped by"] == "max_steps"
     assert "27.3" in text and "2.3e+19" in text  # the paper's rows
     assert "tok:13a" in text
 

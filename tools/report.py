@@ -128,7 +128,7 @@ def configurations(runs: pd.DataFrame) -> pd.DataFrame:
                        _device=[device(run) for _, run in runs.iterrows()])
     scores = [source for label, (source, _) in COLUMNS.items() if label in SCORES and source in runs]
     runs.loc[runs[MODEL].isna() if MODEL in runs else runs.index, scores] = float("nan")  # no model, no scores
-    labels = {"preset": "tags.preset", "commit": "_commit"}
+    labels = {"preset": "tags.preset", "commit": "_commit", "stopped by": "tags.train.stopped_by"}
     labels |= {c.removeprefix("params."): c for c in differing_params(runs)}
     table = groups.summarize(runs, HIDDEN_PARAMS, labels | {"model": "_model", "device": "_device"},
                              {label: source for label, (source, _) in COLUMNS.items()}, SPREAD)
@@ -172,7 +172,9 @@ def render_markdown(runs: pd.DataFrame, table: pd.DataFrame, uri: str) -> str:
         "that differ between runs. model: the trained weights' params_hash; BLEU and chrF count only beside it. "
         "FLOPs: counted = model FLOPs over the tokens trained on; paper's way = hours x devices x "
         "sustained fp32 TFLOPS (Sec. 6.1); at peak = hours x devices x the device's peak. frontier: no other "
-        "configuration has at least its tokenized BLEU for at most its FLOPs counted.", "",
+        "configuration has at least its tokenized BLEU for at most its FLOPs counted. stopped by: max_minutes marks "
+        "runs that the wall-clock safety stop (train.max_minutes) ended before train.max_steps: their steps depend "
+        "on the machine and its load.", "",
         report_table(table).to_markdown(index=False, disable_numparse=True), "",
         "sacreBLEU signature(s): " + (", ".join(f"`{s}`" for s in signatures) or "-"), "",
         "# The paper (Table 2, newstest2014)", "",
