@@ -226,23 +226,27 @@ def _client(uri: str) -> Any:
     return MlflowClient(tracking_uri=uri)
 
 
+def _sqlite_path(uri: str) -> Path | None:
+    """The database file of a sqlite store's URI; None for any other store."""
+    return Path(uri.removeprefix("sqlite:///")) if uri.startswith("sqlite:///") else None
+
+
 def _store_lock(uri: str) -> contextlib.AbstractContextManager:
     """For a sqlite store, its file lock `<database>.lock`: queued experiments start their stages together, and each
     would create a new store's tables (and the experiment) itself; all but one failed and ran untracked."""
-    if not uri.startswith("sqlite:///"):
+    if (db := _sqlite_path(uri)) is None:
         return contextlib.nullcontext()
     from filelock import FileLock
 
-    return FileLock(uri.removeprefix("sqlite:///") + ".lock", timeout=OPEN_LOCK_SECONDS)
+    return FileLock(f"{db}.lock", timeout=OPEN_LOCK_SECONDS)
 
 
 def _experiment_id(client: Any, name: str, uri: str) -> str:
     found = client.get_experiment_by_name(name)
     if found is not None:
         return found.experiment_id
-    location = None
-    if uri.startswith("sqlite:///"):
-        location = (Path(uri.removeprefix("sqlite:///")).parent / "mlartifacts").as_uri()
+    db = _sqlite_path(uri)
+    location = (db.parent / "mlartifacts").as_uri() if db is not None else None
     try:
         return client.create_experiment(name, artifact_location=location)
     except Exception:  # a tracking server: another stage created it meanwhile
