@@ -24,7 +24,7 @@
    calls them, printing wall time and peak memory (maxrss from wait4) per phase,
    the padding efficiency and the real source and target tokens per step.
 3. Tokenizes Multi30k as the default preset does and prints the padding
-   efficiency of pipeline.batching at max_tokens 2500 and 6000 beside the naive
+   efficiency of pipeline.corpus.batching at max_tokens 2500 and 6000 beside the naive
    baseline (sort by (target, source) length, fill greedily), measured here.
 
 Targets on a 2-core machine: tokenize + batch of 4.5M pairs (en-de) under 15
@@ -50,10 +50,10 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from pipeline.batching import make_batches, model_lengths, padding_stats
-from pipeline.config import compose
-from pipeline.formats import Ragged
-from pipeline.rawtext import read_raw_lines, read_sgm
+from pipeline.corpus.batching import make_batches, model_lengths, padding_stats
+from pipeline.core.config import compose
+from pipeline.corpus.formats import Ragged
+from pipeline.corpus.rawtext import read_raw_lines, read_sgm
 
 ROOT = Path(__file__).resolve().parent.parent
 MULTI30K = "raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw"

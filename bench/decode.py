@@ -16,7 +16,7 @@ Data: with --model and --tokenized, the trained model and the test split
 (Multi30k test2016: 1000 sentences) when both exist; with --raw too, each
 side's sacreBLEU against the test references (as the evaluate stage scores
 it). Otherwise the default
-preset's model (`pipeline.config.compose([])`), randomly initialised, on
+preset's model (`pipeline.core.config.compose([])`), randomly initialised, on
 random Multi30k-like sources of 8 to 30 tokens. An untrained model almost
 never emits EOS, so every sentence would run to its maximum length (source +
 50) and the uncached search, quadratic in the output length, would look far
@@ -45,9 +45,9 @@ from torch import Tensor, nn
 
 from model.config import ModelConfig
 from model.transformer import DecoderState, Transformer
-from pipeline.checkpoint import load_model
-from pipeline.config import TranslateConfig, compose, parse
-from pipeline.formats import EOS_ID, load_spm, load_split, read_meta
+from pipeline.weights.checkpoint import load_model
+from pipeline.core.config import TranslateConfig, compose, parse
+from pipeline.corpus.formats import EOS_ID, load_spm, load_split, read_meta
 from pipeline.scoring import printed, read_lines
 from stages.translate import detokenize, translate_ids
 

@@ -7,11 +7,11 @@ train.devices=1: vocabulary 37000, batch.max_tokens 3125, gradient
 accumulation 8, so ~25000 target tokens per step on one GPU, as the presets
 say), on synthetic batches shaped like WMT14 en-de's (bench.train_throughput's
 synthetic_corpus: source ~ N(28, 14) tokens, at most 250, bucketed by
-pipeline.batching.make_batches), it times pipeline.optimizer.train_step (with
+pipeline.corpus.batching.make_batches), it times pipeline.training.optimizer.train_step (with
 build_optimizer, model.loss.SmoothedLoss and the autocast and gradient scaler
 the trainer picks: bf16 where the GPU has it) and prints per model: target
 tokens/s, MFU (analytic FLOPs, model.flops, over the device's peak at that
-precision as training takes it, pipeline.peak: model.flops.PEAK_TFLOPS, or
+precision as training takes it, pipeline.training.peak: model.flops.PEAK_TFLOPS, or
 measured when the GPU is not in the table), peak memory, and beam-4 sentences/s of stages.translate.translate_ids
 (the translate stage's decoding, fp32, with bench.decode's EOS bias so that
 outputs end near the source length as trained models' do). If a step does not
@@ -35,13 +35,14 @@ from model import flops as flops_lib
 from model.config import ModelConfig
 from model.loss import SmoothedLoss
 from model.transformer import Transformer
-from pipeline import config, distributed, peak
-from pipeline.config import TrainConfig, TranslateConfig
-from pipeline.formats import Ragged
-from pipeline.loader import collate
-from pipeline.steps import grad_accumulation
-from pipeline.optimizer import build_optimizer, train_step
-from pipeline.batching import make_batches
+from pipeline.core import config
+from pipeline.training import distributed, peak
+from pipeline.core.config import TrainConfig, TranslateConfig
+from pipeline.corpus.formats import Ragged
+from pipeline.training.loader import collate
+from pipeline.corpus.steps import grad_accumulation
+from pipeline.training.optimizer import build_optimizer, train_step
+from pipeline.corpus.batching import make_batches
 from stages.translate import translate_ids
 
 WMT_MEAN, WMT_SD, WMT_LONGEST = 28, 14, 250  # BPE tokens per WMT14 en-de sentence (approximate), tokenize.max_len

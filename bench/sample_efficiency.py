@@ -6,7 +6,7 @@
 OVERRIDEs are Hydra overrides of conf/, as `dvc exp run -S` takes them, e.g.
 `batch.max_tokens=2500 train.warmup_steps=400`. Ragged the tokenized corpus with
 the batch stage (into a temporary directory), trains the composed model with the
-train stage's Trainer (pipeline/trainer.py: same loss, schedule, optimizer and
+train stage's Trainer (pipeline/training/trainer.py: same loss, schedule, optimizer and
 accumulation), and prints the valid perplexity every `--every` million real
 target tokens, then greedy BLEU (sacreBLEU, 13a) on the test split. Counting tokens
 rather than minutes makes runs comparable on a busy machine: two can run side
@@ -32,12 +32,13 @@ from torch import nn
 
 from model.config import ModelConfig
 from model.transformer import FeedForward, MultiHeadAttention, Transformer
-from pipeline import config, distributed
-from pipeline.config import BatchConfig, TokenizeConfig, TrainConfig, TranslateConfig
-from pipeline.formats import load_spm, load_split, read_meta
-from pipeline.loader import TrainingData
-from pipeline.tracking import StageRun
-from pipeline.trainer import Trainer
+from pipeline.core import config
+from pipeline.training import distributed
+from pipeline.core.config import BatchConfig, TokenizeConfig, TrainConfig, TranslateConfig
+from pipeline.corpus.formats import load_spm, load_split, read_meta
+from pipeline.training.loader import TrainingData
+from pipeline.core.tracking import StageRun
+from pipeline.training.trainer import Trainer
 from stages import batch
 from pipeline.scoring import read_lines, score
 from stages.translate import detokenize, translate_ids

@@ -5,10 +5,10 @@
 The default model (conf/ composed with no overrides: the `small` preset) with an
 8000-token vocabulary, trained on synthetic batches shaped like Multi30k's
 (29000 pairs, source ~ 14 +- 5 tokens, target ~ 15 +- 6 and following the
-source, plus EOS/BOS), bucketed by pipeline.batching.make_batches at
+source, plus EOS/BOS), bucketed by pipeline.corpus.batching.make_batches at
 batch.max_tokens = 2500, one batch per step.
 
-  ours      pipeline.optimizer.train_step with build_optimizer (what the train
+  ours      pipeline.training.optimizer.train_step with build_optimizer (what the train
             stage runs): SmoothedLoss (projection and loss on real target
             tokens only), fused Adam, the paper's dropout placement.
   baseline  torch.nn.Transformer(d_model, nhead, layers, dim_feedforward,
@@ -45,12 +45,13 @@ from model import flops as flops_lib
 from model.config import ModelConfig
 from model.loss import SmoothedLoss
 from model.transformer import Transformer, sinusoidal_encoding
-from pipeline import config, distributed
-from pipeline.config import TrainConfig
-from pipeline.formats import PAD_ID, Ragged
-from pipeline.loader import Batch, collate
-from pipeline.optimizer import build_optimizer, train_step
-from pipeline.batching import make_batches
+from pipeline.core import config
+from pipeline.training import distributed
+from pipeline.core.config import TrainConfig
+from pipeline.corpus.formats import PAD_ID, Ragged
+from pipeline.training.loader import Batch, collate
+from pipeline.training.optimizer import build_optimizer, train_step
+from pipeline.corpus.batching import make_batches
 
 VOCAB = 8000
 MAX_TOKENS = 2500

@@ -1,10 +1,10 @@
 """The model's shape, written once: the `model` params section as one frozen dataclass.
 
-Built once from params (pipeline.config.load(path, "model", ModelConfig)) and
+Built once from params (pipeline.core.config.load(path, "model", ModelConfig)) and
 passed as one object to the model, the FLOPs count, tracking and the benchmarks.
 The vocabulary size is not here: it is the tokenize stage's output
 (data/tokenized/meta.json), passed beside the config. Each field's metadata
-declares its valid values (pipeline/config.py checks them at load, naming the key).
+declares its valid values (pipeline/core/config.py checks them at load, naming the key).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ softmax (3.4), positional encoding (3.5), then the encoder and decoder stacks
 LayerNorm(x + Dropout(Sublayer(x))), everywhere.
 
 Dimensions: B batch, S source length, T target length, D d_model, H heads,
-V vocabulary. Token id `pad_id` marks padding (pipeline.formats.PAD_ID). The shape comes
+V vocabulary. Token id `pad_id` marks padding (pipeline.corpus.formats.PAD_ID). The shape comes
 from one ModelConfig (model/config.py): Transformer(cfg, vocab_size).
 """
 

@@ -1,12 +1,13 @@
 """Checkpoint averaging (Sec. 6.1): the parameter-wise mean of the newest complete checkpoints.
 
     paths = select_checkpoints(directory, last_n)   # oldest first; truncated or unsealed files skipped
-    averaged = average_checkpoints(paths)           # {"model", "steps", "params_hash", "model_config", "vocab_size"}
+    averaged = average_checkpoints(paths)           # {"model", "steps", "params_hash", "code_hash", "model_config", "vocab_size"}
 
 Loaded one at a time, summed in float64 and cast back to each tensor's dtype,
 so one checkpoint gives back its weights bit for bit. Checkpoints that disagree
-in their tensors' names or shapes, their params_hash, model_config or
-vocab_size are refused (AverageError), naming the files.
+in their tensors' names or shapes, their params_hash, the code that trained
+them (code_hash; whatever RESUME_ACROSS_CODE_CHANGE allowed training to resume),
+model_config or vocab_size are refused (AverageError), naming the files.
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from pipeline.checkpoint import complete_checkpoints, load_checkpoint
-from pipeline.errors import PipelineError
-from pipeline.files import InputError
+from pipeline.weights.checkpoint import complete_checkpoints, load_checkpoint
+from pipeline.core.errors import PipelineError
+from pipeline.core.files import InputError
+from pipeline.weights.fingerprint import changed_files
 
-HEADER_KEYS = ("params_hash", "model_config", "vocab_size")  # must agree between averaged checkpoints
+# must agree between averaged checkpoints: the same params and data, and the same code (pipeline/weights/fingerprint.py)
+HEADER_KEYS = ("params_hash", "code_hash", "model_config", "vocab_size")
 
 
 class AverageError(PipelineError):
@@ -44,11 +47,14 @@ def select_checkpoints(directory: Path, last_n: int) -> list[Path]:
 def layout(ckpt: dict) -> dict:
     """What must agree between averaged checkpoints: the header and each tensor's dtype and shape."""
     tensors = {name: (t.dtype, list(t.shape)) for name, t in ckpt["model"].items()}
-    return {**{key: ckpt.get(key) for key in HEADER_KEYS}, "tensors": tensors}
+    return {**{key: ckpt.get(key) for key in HEADER_KEYS}, "code": ckpt.get("code"), "tensors": tensors}
 
 
 def mismatch(a: dict, b: dict) -> str | None:
     """What differs between two layouts, or None."""
+    if a["code_hash"] != b["code_hash"]:
+        files = changed_files(a["code"], b["code"] or {}) if a["code"] is not None else ["every file (no code recorded)"]
+        return f"made by different code ({', '.join(files)} differ)"
     for key in HEADER_KEYS:
         if a[key] != b[key]:
             return f"{key} differs ({a[key]!r} vs {b[key]!r})"

@@ -27,7 +27,7 @@ from sacrebleu.metrics import BLEU, CHRF
 from sacrebleu.metrics.base import Score
 from sacremoses import MosesPunctNormalizer, MosesTokenizer
 
-from pipeline.errors import PipelineError
+from pipeline.core.errors import PipelineError
 
 # get_ende_bleu.sh runs `perl -ple` on bytes: \S is "not ASCII whitespace" (re.ASCII),
 # and /g, like re.sub, resumes after each match, so "a-b-c" -> "a ##AT##-##AT## b-c".

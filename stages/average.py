@@ -21,10 +21,10 @@ from dataclasses import asdict
 
 import torch
 
-from pipeline import cli, config, tracking
+from pipeline.core import cli, config, tracking
 from pipeline.averaging import average_checkpoints, select_checkpoints
-from pipeline.config import AverageConfig
-from pipeline.files import atomic_dir, write_json
+from pipeline.core.config import AverageConfig
+from pipeline.core.files import atomic_dir, write_json
 
 log = logging.getLogger(__name__)
 

@@ -6,13 +6,13 @@ Reads params `batch` (BatchConfig) and, to report the steps the train stage
 will run, `train.devices`, `train.tokens_per_step` and `train.seed`. Batches the
 train and valid splits (test is decoded by the translate stage with its own
 batching). How pairs are ordered and cut into batches, and the padding
-efficiency that gives: pipeline/batching.py.
+efficiency that gives: pipeline/corpus/batching.py.
 
 metrics/batch.json: padding_efficiency of the train batches (both sides) and
 src_/tgt_padding_efficiency; num_batches; {src,tgt}_tokens_per_batch_{mean,min,max}
 (real tokens of a train batch, with EOS / BOS); sentences_per_batch_mean;
 valid_num_batches, valid_padding_efficiency; max_tokens; batches_per_step
-(train.devices x gradient accumulation, pipeline/steps.py) and
+(train.devices x gradient accumulation, pipeline/corpus/steps.py) and
 {src,tgt}_tokens_per_step_{mean,min,max}: the real tokens of each optimizer step
 of the first epoch, in the order the train stage takes them (its
 metrics/train.json records the same over the steps it ran). Sec. 5.1 asks for
@@ -27,11 +27,12 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline import cli, config, steps, tracking
-from pipeline.batching import make_batches, model_lengths, padding_stats
-from pipeline.config import BatchConfig, TrainConfig
-from pipeline.formats import BATCHED_SPLITS, Ragged, batch_paths
-from pipeline.files import atomic_dir, write_json
+from pipeline.core import cli, config, tracking
+from pipeline.corpus import steps
+from pipeline.corpus.batching import make_batches, model_lengths, padding_stats
+from pipeline.core.config import BatchConfig, TrainConfig
+from pipeline.corpus.formats import BATCHED_SPLITS, Ragged, batch_paths
+from pipeline.core.files import atomic_dir, write_json
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ directory or an http(s) base URL). The mirror path of a URL is `<mirror>/<host>/
 there is the download itself; a directory holds the archive's members unpacked at their member
 paths. Every source gives the same bytes out. Downloads and extracted members stay in the cache
 dir (default `.cache/download` beside --out, outside DVC's output) so a re-run fetches nothing.
-The fetching itself (HTTP, mirror, cache, archives) is pipeline/fetch.py.
+The fetching itself (HTTP, mirror, cache, archives) is pipeline/corpus/fetch.py.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from typing import Iterable, Iterator, TextIO
 import requests
 from tqdm import tqdm
 
-from pipeline import cli, tracking
-from pipeline.config import DataConfig, FileSource, ParallelCorpus, ParamsError, load
-from pipeline.fetch import (
+from pipeline.core import cli, tracking
+from pipeline.core.config import DataConfig, FileSource, ParallelCorpus, ParamsError, load
+from pipeline.corpus.fetch import (
     ARCHIVE_SUFFIXES,
     DownloadError,
     Local,
@@ -43,9 +43,9 @@ from pipeline.fetch import (
     label_of,
     mirror_from_env,
 )
-from pipeline.files import atomic_dir, write_json
-from pipeline.formats import SPLITS
-from pipeline.rawtext import Segment, check_segments, read_raw_lines, read_sgm
+from pipeline.core.files import atomic_dir, write_json
+from pipeline.corpus.formats import SPLITS
+from pipeline.corpus.rawtext import Segment, check_segments, read_raw_lines, read_sgm
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ def iter_sources(data: DataConfig) -> Iterator[tuple[str, ParallelCorpus, str, F
 def check_params(data: DataConfig) -> None:
     """Refuse, before any download, sources no download could make right; errors name the key.
 
-    Each value's own form (a URL, a member path, a sha256...) is checked when params load (pipeline/config.py);
+    Each value's own form (a URL, a member path, a sha256...) is checked when params load (pipeline/core/config.py);
     these are the rules between sources.
     """
     names: set[str] = set()
@@ -87,7 +87,7 @@ def check_params(data: DataConfig) -> None:
             raise ParamsError(f"{key}.sha256: {src.url} {src.member or ''} is pinned to two different sha256")
 
 
-# --- fetching (pipeline/fetch.py does the work) ----------------------------------------
+# --- fetching (pipeline/corpus/fetch.py does the work) ----------------------------------------
 
 
 def fetch_all(data: DataConfig, cache: Path, mirror: str | None, session: requests.Session) -> dict[FileSource, Local]:
@@ -105,7 +105,7 @@ def fetch_all(data: DataConfig, cache: Path, mirror: str | None, session: reques
     return local
 
 
-# --- reading text (pipeline/rawtext.py does the work) ----------------------------------
+# --- reading text (pipeline/corpus/rawtext.py does the work) ----------------------------------
 
 
 def _format_name(source: FileSource) -> str:

@@ -25,10 +25,10 @@ import logging
 from dataclasses import asdict
 from pathlib import Path
 
-from pipeline import cli, config, tracking
-from pipeline.config import DataConfig, EvaluateConfig
-from pipeline.files import write_json
-from pipeline.formats import DECODED_SPLITS
+from pipeline.core import cli, config, tracking
+from pipeline.core.config import DataConfig, EvaluateConfig
+from pipeline.core.files import write_json
+from pipeline.corpus.formats import DECODED_SPLITS
 from pipeline.scoring import read_pair, score
 
 log = logging.getLogger(__name__)

@@ -4,9 +4,9 @@
 
 Reads params `data` (src_lang, tgt_lang) and `tokenize` (TokenizeConfig). One
 model over the training text of both sides (Sec. 5.1: a shared source-target
-vocabulary; training, sampling and determinism: pipeline/subwords.py), streamed
+vocabulary; training, sampling and determinism: pipeline/corpus/subwords.py), streamed
 from the raw files. Every split is then encoded with all cores, 100k lines at a
-time, and appended to the flat files that pipeline/formats.py documents: nothing
+time, and appended to the flat files that pipeline/corpus/formats.py documents: nothing
 ever holds a whole corpus as Python lists. Training pairs that are empty, longer
 than `max_len` tokens or whose length ratio exceeds `max_len_ratio` are dropped
 and counted by reason; valid and test are never filtered (an empty line stays,
@@ -28,11 +28,11 @@ import numpy as np
 import sentencepiece as spm
 from tqdm import tqdm
 
-from pipeline import cli, config, tracking
-from pipeline.config import DataConfig, TokenizeConfig
-from pipeline.files import InputError, atomic_dir, count_lines, read_chunks, write_json
-from pipeline.formats import OFFSET_DTYPE, SPLITS, UNK_ID, split_paths
-from pipeline.subwords import DROP_REASONS, drop_reasons, encode, train_model
+from pipeline.core import cli, config, tracking
+from pipeline.core.config import DataConfig, TokenizeConfig
+from pipeline.core.files import InputError, atomic_dir, count_lines, read_chunks, write_json
+from pipeline.corpus.formats import OFFSET_DTYPE, SPLITS, UNK_ID, split_paths
+from pipeline.corpus.subwords import DROP_REASONS, drop_reasons, encode, train_model
 
 log = logging.getLogger(__name__)
 

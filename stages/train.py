@@ -1,4 +1,4 @@
-"""Train stage: the Transformer on the stored batches, 1 to 8 processes (pipeline/trainer.py).
+"""Train stage: the Transformer on the stored batches, 1 to 8 processes (pipeline/training/trainer.py).
 
     python -m stages.train --tokenized data/tokenized --batches data/batches --checkpoints data/checkpoints \
         --metrics metrics/train.json --plot plots/train.csv [--params params.yaml]
@@ -6,7 +6,7 @@
 Reads params `model` (ModelConfig), `train` (TrainConfig) and `batch.max_tokens`.
 With train.devices > 1 the command checks the params and inputs, then starts
 that many processes as `torchrun --standalone --nproc_per_node=<devices> -m
-stages.train ...` does (pipeline.distributed.launch), so that a failure ends
+stages.train ...` does (pipeline.training.distributed.launch), so that a failure ends
 with the failing process's message rather than torchrun's report; running that
 torchrun command directly works too, and so does torchrun on each of N nodes:
 
@@ -20,7 +20,7 @@ Resumes from the newest complete checkpoint with the same params_hash; stops
 at train.max_steps (train.max_minutes is a safety stop, recorded when it
 fires); Ctrl-C says at which step it stopped.
 Outputs (rank 0 only): checkpoints, metrics/train.json, plots/train.csv and an
-MLflow child run (pipeline/tracking.py).
+MLflow child run (pipeline/core/tracking.py).
 """
 
 from __future__ import annotations
@@ -30,11 +30,12 @@ import sys
 
 
 from model.config import ModelConfig
-from pipeline import cli, config, distributed, tracking
-from pipeline.config import BatchConfig, TrainConfig
-from pipeline.files import write_json
-from pipeline.loader import TrainingData
-from pipeline.trainer import Trainer, params_hash
+from pipeline.core import cli, config, tracking
+from pipeline.training import distributed
+from pipeline.core.config import BatchConfig, TrainConfig
+from pipeline.core.files import write_json
+from pipeline.training.loader import TrainingData
+from pipeline.training.trainer import Trainer, params_hash
 
 log = logging.getLogger(__name__)
 

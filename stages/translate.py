@@ -47,11 +47,11 @@ from tqdm import tqdm
 
 from model.beam_search import Hypothesis, beam_search
 from model.transformer import Transformer
-from pipeline import cli, config, tracking
-from pipeline.checkpoint import load_model
-from pipeline.config import ParamsError, TranslateConfig
-from pipeline.formats import BOS_ID, DECODED_SPLITS, EOS_ID, PAD_ID, load_spm, load_split, read_meta
-from pipeline.files import InputError, atomic_dir, count_lines, write_text
+from pipeline.core import cli, config, tracking
+from pipeline.weights.checkpoint import load_model
+from pipeline.core.config import ParamsError, TranslateConfig
+from pipeline.corpus.formats import BOS_ID, DECODED_SPLITS, EOS_ID, PAD_ID, load_spm, load_split, read_meta
+from pipeline.core.files import InputError, atomic_dir, count_lines, write_text
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ VENV_BIN = Path(sys.executable).parent
 os.environ.setdefault("DVC_NO_ANALYTICS", "1")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("DO_NOT_TRACK", "true")
-os.environ.setdefault("PIPELINE_VIEWS", "0")  # pipeline/views.py: on only where a test checks them
+os.environ.setdefault("PIPELINE_VIEWS", "0")  # pipeline/core/views.py: on only where a test checks them
 
 
 @pytest.fixture(autouse=True)
@@ -26,7 +26,7 @@ def _private_tracking_store(tmp_path, monkeypatch):
 @pytest.fixture
 def one_thread(monkeypatch):
     """In-process training on one thread, as each process a test starts (pinned to one core): the same sums."""
-    from pipeline import distributed
+    from pipeline.training import distributed
 
     monkeypatch.setattr(distributed, "available_cores", lambda: 1)
     threads = torch.get_num_threads()
@@ -36,7 +36,7 @@ def one_thread(monkeypatch):
 
 @pytest.fixture(autouse=True, scope="session")
 def _private_peak_cache(tmp_path_factory):
-    """Training's peak FLOP/s cache (pipeline/peak.py) lives under XDG_CACHE_HOME: one for the session, not ~/.cache."""
+    """Training's peak FLOP/s cache (pipeline/training/peak.py) lives under XDG_CACHE_HOME: one for the session, not ~/.cache."""
     before = os.environ.get("XDG_CACHE_HOME")
     os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg_cache"))
     yield

@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pipeline.checkpoint import complete_checkpoints, load_checkpoint
+from pipeline.weights.checkpoint import complete_checkpoints, load_checkpoint
 from tests.train_fixtures import ROOT, stage_args, stage_env, write_corpus, write_params
 
 TOLERANCE = 1e-5  # float32 sums in another order (an all-reduce against an accumulation)

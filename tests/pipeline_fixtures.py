@@ -32,7 +32,7 @@ import pytest
 import requests
 import yaml
 
-from pipeline.config import compose
+from pipeline.core.config import compose
 from tests.http_fixtures import FileServer
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -14,7 +14,7 @@ from model.config import ModelConfig
 from model.transformer import Transformer
 from pipeline import averaging
 from stages import average
-from pipeline.checkpoint import save_checkpoint
+from pipeline.weights.checkpoint import save_checkpoint
 from tests.translation_fixtures import one_thread, shared_store, store  # noqa: F401 (fixtures)
 
 CONFIG = dict(n_layers=2, d_model=16, d_ff=32, n_heads=2, d_k=8, d_v=8, dropout=0.1,

@@ -28,11 +28,14 @@ import yaml
 
 from model.config import ModelConfig
 from model.transformer import Transformer
-from pipeline import distributed, fetch, scoring, tracking
+from pipeline.training import distributed
+from pipeline.corpus import fetch
+from pipeline import scoring
+from pipeline.core import tracking
 from stages import average, batch, download, evaluate, train, translate
-from pipeline.checkpoint import CheckpointError, load_checkpoint, load_model, save_checkpoint, sidecar
-from pipeline.config import DataConfig, ParamsError, TokenizeConfig, TrainConfig, compose, load
-from pipeline.files import InputError
+from pipeline.weights.checkpoint import CheckpointError, load_checkpoint, load_model, save_checkpoint, sidecar
+from pipeline.core.config import DataConfig, ParamsError, TokenizeConfig, TrainConfig, compose, load
+from pipeline.core.files import InputError
 from stages.tokenize import tokenize
 from tests.http_fixtures import FileServer
 from tests.pipeline_fixtures import ROOT
@@ -53,7 +56,7 @@ def _fast_retries(monkeypatch):
 
 
 def nothing_written(tmp_path: Path, *names: str) -> bool:
-    """None of the outputs, and no temporaries (pipeline.files names them .<name>.*.tmp), exist."""
+    """None of the outputs, and no temporaries (pipeline.core.files names them .<name>.*.tmp), exist."""
     return not any((tmp_path / n).exists() for n in names) and not list(tmp_path.glob(".*.tmp"))
 
 
@@ -235,7 +238,7 @@ def test_a_changed_model_config_starts_training_afresh_and_says_so(tmp_path, cap
 
 def test_a_valid_pair_longer_than_the_model_is_left_out_of_validation_not_a_crash(tmp_path, caplog):
     """Valid is never length-filtered (stages.tokenize): a pair beyond model.max_positions must not stop training."""
-    from pipeline.formats import batch_paths
+    from pipeline.corpus.formats import batch_paths
     from tests.train_fixtures import bucket, target_of, write_split
 
     write_train_corpus(tmp_path)

@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from stages import batch
-from pipeline.batching import fill, make_batches, padding_stats
-from pipeline.formats import ID_DTYPE, OFFSET_DTYPE, Ragged, load_batches, split_paths
+from pipeline.corpus.batching import fill, make_batches, padding_stats
+from pipeline.corpus.formats import ID_DTYPE, OFFSET_DTYPE, Ragged, load_batches, split_paths
 from tests.train_fixtures import TRAIN
 from tests.translation_fixtures import shared_store, store  # noqa: F401 (fixtures: one MLflow store per module)
 

@@ -1,4 +1,4 @@
-"""pipeline.checkpoint: atomic, sealed checkpoints; broken ones are skipped by name; everything loads weights_only."""
+"""pipeline.weights.checkpoint: atomic, sealed checkpoints; broken ones are skipped by name; everything loads weights_only."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 
 from model.config import ModelConfig
 from model.transformer import Transformer
-from pipeline.checkpoint import (CheckpointError, capture_rng, complete_checkpoints, fingerprint, load_checkpoint,
+from pipeline.weights.checkpoint import (CheckpointError, capture_rng, complete_checkpoints, fingerprint, load_checkpoint,
                                restore_rng, resume_point, save_checkpoint, sidecar)
 from tests.train_fixtures import MODEL, VOCAB
 
@@ -79,11 +79,11 @@ def test_only_the_last_set_of_checkpoints_set_aside_is_kept(tmp_path, caplog):
     """Each params change sets the old checkpoints aside; earlier sets are deleted, each with a logged line."""
     checkpoints = tmp_path / "checkpoints"
     for params_hash in ("first", "second", "third"):
-        assert resume_point(checkpoints, params_hash) is None
+        assert resume_point(checkpoints, params_hash, {}) is None
         for step in (1, 2):
             save_checkpoint(checkpoints, {"step": step, "model": {}, "params_hash": params_hash}, keep=5)
     with caplog.at_level(logging.WARNING):
-        assert resume_point(checkpoints, "fourth") is None
+        assert resume_point(checkpoints, "fourth", {}) is None
     sets = list((tmp_path / "checkpoints.stale").iterdir())
     assert len(sets) == 1 and sorted(p.name for p in sets[0].iterdir()) == [
         "step_00000001.pt", "step_00000001.pt.sha256", "step_00000002.pt", "step_00000002.pt.sha256"]

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.config import CONF_DIR, SECTIONS, ParamsError, compose, load, load_all, TrainConfig
+from pipeline.core.config import CONF_DIR, SECTIONS, ParamsError, compose, load, load_all, TrainConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
@@ -108,8 +108,8 @@ def test_unknown_section_is_refused(tmp_path):
 
 
 def test_help_prints_the_usage_instead_of_reading_a_file_named_help(capsys):
-    from pipeline.config import main
+    from pipeline.core.config import main
 
     main(["--help"])
     out = capsys.readouterr().out
-    assert out.startswith("usage: python -m pipeline.config [PARAMS]") and "--compose PARAMS" in out
+    assert out.startswith("usage: python -m pipeline.core.config [PARAMS]") and "--compose PARAMS" in out

@@ -19,9 +19,9 @@ import pytest
 import yaml
 from sacrebleu.dataset.fake_sgml import FakeSGMLDataset
 
-from pipeline import fetch, rawtext
+from pipeline.corpus import fetch, rawtext
 from stages import download
-from pipeline.config import ParamsError, load_all
+from pipeline.core.config import ParamsError, load_all
 from tests.http_fixtures import FileServer
 from tests.translation_fixtures import shared_store, store  # noqa: F401 (fixtures: one MLflow store per module)
 

@@ -7,56 +7,15 @@ followed transitively through the project's own packages.
 
 from __future__ import annotations
 
-import ast
 import re
 from pathlib import Path
 
 import pytest
 import yaml
 
+from pipeline.weights.fingerprint import PACKAGES, project_imports
+
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("stages", "pipeline", "model", "tools", "bench")  # the project's own top-level packages
-
-
-def module_file(name: str, root: Path) -> Path | None:
-    """The file of a project module `a.b.c` (a module file or a package's __init__.py), or None."""
-    if name.split(".")[0] not in PACKAGES:
-        return None
-    base = root.joinpath(*name.split("."))
-    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
-        if candidate.is_file():
-            return candidate
-    return None
-
-
-def imported_modules(path: Path) -> set[str]:
-    """Every module name `path` imports, with `from x import y` giving both x and x.y (y may be a submodule)."""
-    names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
-            names.update(f"{node.module}.{alias.name}" for alias in node.names)
-    return names
-
-
-def project_imports(module: str, root: Path = ROOT) -> set[Path]:
-    """The project files that running `python -m module` imports, transitively (packages' __init__.py included).
-
-    An empty __init__.py is left out: a file without code cannot change what a stage computes.
-    """
-    seen: set[Path] = set()
-    todo = [module]
-    while todo:
-        name = todo.pop()
-        parts = name.split(".")
-        for i in range(1, len(parts) + 1):  # importing a.b.c runs a/__init__.py and a/b/__init__.py too
-            path = module_file(".".join(parts[:i]), root)
-            if path is not None and path not in seen:
-                seen.add(path)
-                todo.extend(imported_modules(path))
-    return {p.relative_to(root) for p in seen if p.read_text(encoding="utf-8").strip()}
 
 
 def stage_module(cmd: str) -> str:
@@ -75,14 +34,23 @@ def code_deps(deps: list, root: Path = ROOT) -> list[Path]:
     return out
 
 
-def missing_and_unused(stage: dict, root: Path = ROOT) -> tuple[list[Path], list[Path]]:
-    """(imported files no dep covers, code deps that cover no imported file)."""
+def covered_files(dep: Path, root: Path = ROOT) -> set[Path]:
+    """The project files with code that a code dep covers (a file, or every .py under a folder)."""
+    full = root / dep
+    files = [full] if full.is_file() else [p for p in full.rglob("*.py") if "__pycache__" not in p.parts]
+    return {p.relative_to(root) for p in files if p.read_text(encoding="utf-8").strip()}
+
+
+def missing_and_unused(stage: dict, root: Path = ROOT) -> tuple[list[Path], list[Path], list[Path]]:
+    """(imported files no dep covers, code deps that cover no imported file, files a dep covers but the stage
+    never imports: an edit to one would re-run the stage for nothing)."""
     imported = project_imports(stage_module(stage["cmd"]), root)
     deps = code_deps(stage.get("deps", []), root)
     covered = lambda f, d: f == d or d in f.parents  # noqa: E731
     missing = sorted(f for f in imported if not any(covered(f, d) for d in deps))
     unused = [d for d in deps if not any(covered(f, d) for f in imported)]
-    return missing, unused
+    needless = sorted(set().union(*(covered_files(d, root) for d in deps)) - imported)
+    return missing, unused, needless
 
 
 def pipeline_stages(root: Path = ROOT) -> dict[str, dict]:
@@ -92,9 +60,11 @@ def pipeline_stages(root: Path = ROOT) -> dict[str, dict]:
 @pytest.mark.parametrize("name", sorted(pipeline_stages()))
 def test_every_stage_depends_on_every_project_file_it_imports_and_on_nothing_else(name):
     stage = pipeline_stages()[name]
-    missing, unused = missing_and_unused(stage)
+    missing, unused, needless = missing_and_unused(stage)
     assert not missing, f"dvc.yaml stage {name!r}: deps miss {', '.join(map(str, missing))}, which its command imports"
     assert not unused, f"dvc.yaml stage {name!r}: deps list {', '.join(map(str, unused))}, which its command never imports"
+    assert not needless, (f"dvc.yaml stage {name!r}: its deps cover {', '.join(map(str, needless))}, which its command "
+                          "never imports (an edit there would re-run it for nothing): list files, or move the module")
 
 
 def test_stages_folder_and_dvc_yaml_match_one_to_one():
@@ -118,9 +88,12 @@ def test_the_import_walk_finds_function_level_and_transitive_imports(tmp_path):
     found = {str(p) for p in project_imports("stages.x", tmp_path)}
     assert found == {"stages/x.py", "pipeline/a.py", "pipeline/b.py", "model/__init__.py", "model/c.py"}
     stage = {"cmd": "python -m stages.x", "deps": ["stages/x.py", "pipeline", "model/unused.py", "data/raw"]}
-    missing, unused = missing_and_unused(stage, tmp_path)
+    missing, unused, needless = missing_and_unused(stage, tmp_path)
     assert [str(p) for p in missing] == ["model/__init__.py", "model/c.py"]
     assert [str(p) for p in unused] == ["model/unused.py"]
+    assert [str(p) for p in needless] == ["model/unused.py"]
+    (tmp_path / "pipeline/other.py").write_text("z = 3\n")  # in a folder the stage depends on, imported by no one
+    assert [str(p) for p in missing_and_unused(stage, tmp_path)[2]] == ["model/unused.py", "pipeline/other.py"]
 
 
 def test_checkpoints_are_kept_out_of_the_cache_and_the_averaged_model_is_cached():

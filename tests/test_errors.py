@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline import cli
-from pipeline.config import ParamsError, compose
-from pipeline.errors import PipelineError
-from pipeline.files import OutputError, atomic_dir
+from pipeline.core import cli
+from pipeline.core.config import ParamsError, compose
+from pipeline.core.errors import PipelineError
+from pipeline.core.files import OutputError, atomic_dir
 from tests.train_fixtures import ROOT, stage_env, write_corpus, write_params
 
 

@@ -1,7 +1,7 @@
 """Faults the pipeline survives, each injected for real: it keeps working and loses nothing.
 
 - SIGKILL of the train stage during a step, a checkpoint write and validation
-  (pipeline/faults.py, TRANSFORMER_FAULT), in `python -m stages.train` and inside
+  (pipeline/weights/faults.py, TRANSFORMER_FAULT), in `python -m stages.train` and inside
   `dvc repro`: the re-run resumes and ends with the same weights as a run never killed.
 - Truncated, corrupt or unsealed checkpoints: skipped with a warning naming them,
   never averaged (also tests/test_checkpoint.py, test_train.py, test_average.py).
@@ -35,10 +35,13 @@ import pytest
 import torch
 import yaml
 
-from pipeline import distributed, faults, fetch, tracking
+from pipeline.training import distributed
+from pipeline.weights import faults
+from pipeline.corpus import fetch
+from pipeline.core import tracking
 from stages import average, batch, download, evaluate, tokenize, train, translate
-from pipeline.checkpoint import complete_checkpoints, load_checkpoint, sidecar
-from pipeline.config import compose
+from pipeline.weights.checkpoint import complete_checkpoints, load_checkpoint, sidecar
+from pipeline.core.config import compose
 from tests.http_fixtures import FileServer
 from tests.pipeline_fixtures import (VENV_BIN, MlflowServer, dvc, dvc_run, git_commit, make_repo, tiny_params,
                                      use_preset, write_corpus)
@@ -70,7 +73,7 @@ def read_tree(*roots: Path) -> dict[str, bytes]:
 
 
 def temporaries(*roots: Path) -> list[str]:
-    """Leftover temporary files or directories (pipeline.files names them .<name>.*.tmp)."""
+    """Leftover temporary files or directories (pipeline.core.files names them .<name>.*.tmp)."""
     return [str(p) for root in roots if root.exists() for p in root.rglob(".*") if ".cache" not in p.parts]
 
 
@@ -132,7 +135,7 @@ class DiskFull:
     """Files under `root` whose path contains `match`, opened for writing, get /dev/full: every write fails with ENOSPC.
 
     The file keeps its name; the error comes from the kernel. Covered: builtins.open and io.open (the stages'
-    own files, pathlib, numpy), os.fdopen (pipeline.files' temporaries), and torch.save to a path (it would
+    own files, pathlib, numpy), os.fdopen (pipeline.core.files' temporaries), and torch.save to a path (it would
     otherwise write from C++). `hits` lists the files that failed.
     """
 

@@ -16,8 +16,8 @@ from mlflow import MlflowClient
 
 from model.config import ModelConfig
 from model.transformer import Transformer
-from pipeline.checkpoint import save_checkpoint
-from pipeline.formats import batch_paths
+from pipeline.weights.checkpoint import save_checkpoint
+from pipeline.corpus.formats import batch_paths
 from tests.train_fixtures import write_split
 from tests.translation_fixtures import MODEL_CONFIG, TEST_EN, VALID_EN, save_model, tokenized_corpus, write_lines
 from tools.inspect import main

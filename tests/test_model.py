@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from model.config import ModelConfig
 from model.transformer import MultiHeadAttention, Transformer, padding_mask, sinusoidal_encoding
-from pipeline.config import compose
+from pipeline.core.config import compose
 
 PAD, BOS, EOS = 0, 2, 3
 V = 40

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from model.config import ModelConfig
-from pipeline import distributed
-from pipeline.config import ParamsError, TrainConfig
-from pipeline.trainer import params_hash
+from pipeline.training import distributed
+from pipeline.core.config import ParamsError, TrainConfig
+from pipeline.training.trainer import params_hash
 from stages import train
 from tests.multinode_smoke import (TOLERANCE, final_weights, free_port, max_difference, node_processes,
                                    run_one_process, start_two_nodes)

@@ -1,6 +1,6 @@
 """Every param of every section has a declared valid range or set, checked at load by the stage that reads it.
 
-The params are not listed here: they are walked from the config dataclasses (pipeline.config.SECTIONS),
+The params are not listed here: they are walked from the config dataclasses (pipeline.core.config.SECTIONS),
 and the stage that reads each section, with its command line, is taken from dvc.yaml.
 """
 
@@ -19,7 +19,7 @@ from typing import Any, Iterator
 import pytest
 import yaml
 
-from pipeline.config import FORMATS, SECTIONS, ParamsError, compose
+from pipeline.core.config import FORMATS, SECTIONS, ParamsError, compose
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT = compose([])
@@ -131,7 +131,7 @@ def write_params(tmp_path: Path, **changes: Any) -> Path:
 
 
 def check_params_command(path: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pipeline.config", str(path)], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "pipeline.core.config", str(path)], cwd=ROOT, capture_output=True,
                           text=True, timeout=60)
 
 

@@ -1,4 +1,4 @@
-"""pipeline/peak.py: a stable MFU denominator, cached per machine, recorded with its source, never below the run."""
+"""pipeline/training/peak.py: a stable MFU denominator, cached per machine, recorded with its source, never below the run."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import logging
 import pytest
 import torch
 
-from pipeline import peak
-from pipeline.distributed import Dist
-from pipeline.peak import Peak
+from pipeline.training import peak
+from pipeline.training.distributed import Dist
+from pipeline.training.peak import Peak
 
 CPU = Dist(0, 1, 0, torch.device("cpu"))
 

@@ -19,11 +19,11 @@ from bench import gpu_check
 from model.config import ModelConfig
 from model.loss import SmoothedLoss
 from model.transformer import Transformer
-from pipeline import distributed
-from pipeline.checkpoint import complete_checkpoints, load_checkpoint
-from pipeline.config import TrainConfig
-from pipeline.loader import Prefetcher, TrainingData, collate
-from pipeline.optimizer import build_optimizer, train_step
+from pipeline.training import distributed
+from pipeline.weights.checkpoint import complete_checkpoints, load_checkpoint
+from pipeline.core.config import TrainConfig
+from pipeline.training.loader import Prefetcher, TrainingData, collate
+from pipeline.training.optimizer import build_optimizer, train_step
 from stages import train
 from tests.train_fixtures import MODEL, TRAIN, VOCAB, stage_args, write_corpus, write_params
 

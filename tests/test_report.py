@@ -11,8 +11,8 @@ from mlflow.tracking import MlflowClient
 from tools import attention, report
 import torch
 
-from pipeline.checkpoint import load_model
-from pipeline.formats import load_split
+from pipeline.weights.checkpoint import load_model
+from pipeline.corpus.formats import load_split
 from tests.translation_fixtures import make_corpus, one_thread, save_model, write_params  # noqa: F401 (fixture)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -28,7 +28,7 @@ def no_global_tracking_uri():
 def log_pipeline_run(client: MlflowClient, name: str, warmup_steps: int, bleu: float, bleu_tokenized: float,
                      hours: float, trained: bool = True, seed: int = 1, commit: str = "0123456789abcdef",
                      stopped_by: str = "max_steps", **more_metrics: float) -> None:
-    """A pipeline run as pipeline.tracking records one: a tagged parent with the metrics files, a child per stage.
+    """A pipeline run as pipeline.core.tracking records one: a tagged parent with the metrics files, a child per stage.
 
     more_metrics: other metrics of the parent, `train_valid_ppl=5.1` for train.valid_ppl."""
     experiment = client.get_experiment_by_name("transformer-multi30k")

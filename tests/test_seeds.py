@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.config import ParamsError, compose
+from pipeline.core.config import ParamsError, compose
 from tools import groups, seeds
 
 

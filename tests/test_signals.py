@@ -1,4 +1,4 @@
-"""pipeline/signals.py: signals raised as exceptions, held through the sections a signal would break."""
+"""pipeline/core/signals.py: signals raised as exceptions, held through the sections a signal would break."""
 
 import os
 import signal
@@ -6,7 +6,8 @@ import signal
 import pytest
 import torch
 
-from pipeline import checkpoint, signals
+from pipeline.weights import checkpoint
+from pipeline.core import signals
 
 
 def kill_self(sig: int) -> None:

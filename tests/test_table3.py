@@ -4,7 +4,7 @@ import functools
 
 from model.config import ModelConfig
 from model.transformer import Transformer
-from pipeline.config import compose
+from pipeline.core.config import compose
 from tools.table3 import ROWS, main, n_params, row_command, row_overrides, vocab_for
 
 

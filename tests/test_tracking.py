@@ -1,4 +1,4 @@
-"""pipeline.tracking: parent and child runs in a real sqlite store; a dead server costs one warning and seconds."""
+"""pipeline.core.tracking: parent and child runs in a real sqlite store; a dead server costs one warning and seconds."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ import torch
 import yaml
 from mlflow.tracking import MlflowClient
 
-from pipeline import distributed, lineage, signals, tracking
+from pipeline.training import distributed
+from pipeline.core import lineage, signals, tracking
 from stages import evaluate, train
 from tests.http_fixtures import FileServer
 from tests.test_evaluate import HYPS, REFS, write_split_files
@@ -232,7 +233,7 @@ def test_an_error_raised_while_handling_ctrl_c_ends_the_runs_killed_not_failed(t
 OPEN_ONE_RUN = """
 import argparse, sys, time
 from pathlib import Path
-from pipeline import tracking
+from pipeline.core import tracking
 while time.time() < float(sys.argv[2]):  # every process opens at the same moment
     time.sleep(0.001)
 with tracking.stage_run("average", argparse.Namespace(params=Path(sys.argv[1]))) as run:
@@ -314,7 +315,7 @@ def test_a_server_that_never_answers_costs_one_timeout(tmp_path, monkeypatch, ca
 
 
 def test_the_preset_tag_names_the_model_size_of_each_paper_preset():
-    from pipeline.config import compose
+    from pipeline.core.config import compose
 
     for experiment, size in (("multi30k_small", "small"), ("wmt14_en_de_base", "base"), ("wmt14_en_fr_big", "big")):
         assert tracking.model_size(compose([f"experiment={experiment}"])["model"]) == size

@@ -24,14 +24,15 @@ from model import loss as loss_lib
 from model.schedule import lrate
 from model.config import ModelConfig
 from model.transformer import Transformer
-from pipeline import distributed, peak, steps
-from pipeline.files import write_json
+from pipeline.training import distributed, peak
+from pipeline.corpus import steps
+from pipeline.core.files import write_json
 from stages import batch as batch_stage
 from stages import train
-from pipeline.checkpoint import complete_checkpoints, load_checkpoint
-from pipeline.config import ParamsError
-from pipeline.formats import BOS_ID, EOS_ID, PAD_ID, load_batches, load_split
-from pipeline.loader import collate
+from pipeline.weights.checkpoint import complete_checkpoints, load_checkpoint
+from pipeline.core.config import ParamsError
+from pipeline.corpus.formats import BOS_ID, EOS_ID, PAD_ID, load_batches, load_split
+from pipeline.training.loader import collate
 from tests.train_fixtures import MODEL, ROOT, VOCAB, stage_args, stage_env, torchrun, write_corpus, write_params
 
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from stages import translate
-from pipeline.config import TranslateConfig
-from pipeline.checkpoint import load_model
-from pipeline.formats import load_spm, load_split
+from pipeline.core.config import TranslateConfig
+from pipeline.weights.checkpoint import load_model
+from pipeline.corpus.formats import load_spm, load_split
 from tests.translation_fixtures import TEST_EN, TRANSLATE, VALID_EN, make_corpus, save_model, write_params
 from tests.translation_fixtures import one_thread, shared_store, store  # noqa: F401 (fixtures)
 

@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.config import compose
-from pipeline.formats import SPLITS
+from pipeline.core.config import compose
+from pipeline.corpus.formats import SPLITS
 from stages import batch, download, tokenize
 from tests.http_fixtures import FileServer
 from tests.pipeline_fixtures import sentence_pair

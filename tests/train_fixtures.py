@@ -1,6 +1,6 @@
 """Tiny on-disk inputs for the train stage: a synthetic tokenized corpus, its batches, a params file.
 
-The corpus is written in the pipeline/formats.py formats directly (no
+The corpus is written in the pipeline/corpus/formats.py formats directly (no
 sentencepiece): source sentences of random ids, targets a fixed function of
 them (each id shifted by one, reversed), so a tiny model can learn the mapping.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from pipeline.formats import ID_DTYPE, OFFSET_DTYPE, batch_paths, split_paths
+from pipeline.corpus.formats import ID_DTYPE, OFFSET_DTYPE, batch_paths, split_paths
 
 ROOT = Path(__file__).resolve().parent.parent
 VOCAB = 24

@@ -20,8 +20,8 @@ import yaml
 
 from model.config import ModelConfig
 from model.transformer import Transformer
-from pipeline.config import TokenizeConfig
-from pipeline.formats import read_meta
+from pipeline.core.config import TokenizeConfig
+from pipeline.corpus.formats import read_meta
 from stages.tokenize import tokenize
 
 MODEL_CONFIG = dict(n_layers=2, d_model=16, d_ff=32, n_heads=2, d_k=8, d_v=8, dropout=0.1,

@@ -24,11 +24,11 @@ import torch
 from matplotlib.figure import Figure
 
 from model.transformer import Transformer
-from pipeline import cli, config
-from pipeline.config import TranslateConfig
-from pipeline.checkpoint import load_model
-from pipeline.formats import BOS_ID, EOS_ID, Ragged, load_spm, load_split, read_meta
-from pipeline.files import atomic_dir, write_bytes
+from pipeline.core import cli, config
+from pipeline.core.config import TranslateConfig
+from pipeline.weights.checkpoint import load_model
+from pipeline.corpus.formats import BOS_ID, EOS_ID, Ragged, load_spm, load_split, read_meta
+from pipeline.core.files import atomic_dir, write_bytes
 from stages.translate import translate_ids
 
 log = logging.getLogger(__name__)

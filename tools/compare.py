@@ -28,7 +28,7 @@ from pathlib import Path
 from sacrebleu.metrics import BLEU, CHRF
 from sacrebleu.significance import PairedTest
 
-from pipeline import cli, tracking
+from pipeline.core import cli, tracking
 from pipeline.scoring import read_pair
 
 class CompareError(ValueError):
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("b")
     parser.add_argument("--split", default="test")
     parser.add_argument("--samples", type=int, default=1000)
-    parser.add_argument("--tracking-uri", default=None, help="default: pipeline.tracking's (mlflow.db at the repo root)")
+    parser.add_argument("--tracking-uri", default=None, help="default: pipeline.core.tracking's (mlflow.db at the repo root)")
     args = parser.parse_args(argv)
     cli.setup_logging()
     from mlflow.tracking import MlflowClient

@@ -36,7 +36,7 @@ import sys
 from pathlib import Path
 from typing import Callable, TextIO
 
-from pipeline import cli
+from pipeline.core import cli
 from tools.inspect_common import TEXT_FILE, Options
 
 log = logging.getLogger(__name__)

@@ -12,11 +12,11 @@ from typing import Callable, Iterator, TypeVar
 import numpy as np
 from matplotlib.figure import Figure
 
-from pipeline import config
-from pipeline.config import DataConfig, ParamsError
-from pipeline.formats import read_meta
+from pipeline.core import config
+from pipeline.core.config import DataConfig, ParamsError
+from pipeline.corpus.formats import read_meta
 from pipeline.scoring import read_lines
-from pipeline.files import CHUNK_LINES, InputError, read_chunks, write_bytes
+from pipeline.core.files import CHUNK_LINES, InputError, read_chunks, write_bytes
 
 T = TypeVar("T")
 

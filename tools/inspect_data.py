@@ -7,11 +7,11 @@ from textwrap import indent
 
 import numpy as np
 
-from pipeline import config
-from pipeline.batching import model_lengths, padding_stats
-from pipeline.config import BatchConfig
-from pipeline.files import count_lines
-from pipeline.formats import BATCHED_SPLITS, SPLITS, Ragged, batch_paths, load_batches
+from pipeline.core import config
+from pipeline.corpus.batching import model_lengths, padding_stats
+from pipeline.core.config import BatchConfig
+from pipeline.core.files import count_lines
+from pipeline.corpus.formats import BATCHED_SPLITS, SPLITS, Ragged, batch_paths, load_batches
 from tools.inspect_common import (InspectError, Options, figure, language_pair, length_histogram,
                                   params_or_reason, save_png, scan_text, shown, sibling, spread, summary, table)
 

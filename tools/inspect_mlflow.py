@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from pipeline.files import write_text
+from pipeline.core.files import write_text
 
 log = logging.getLogger(__name__)
 

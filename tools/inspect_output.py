@@ -11,11 +11,11 @@ import numpy as np
 import pandas as pd
 from sacrebleu.metrics import BLEU, CHRF
 
-from pipeline import config
-from pipeline.config import TranslateConfig
-from pipeline.formats import DECODED_SPLITS, load_spm, load_split, read_meta
-from pipeline.files import write_text
-from pipeline.subwords import encode
+from pipeline.core import config
+from pipeline.core.config import TranslateConfig
+from pipeline.corpus.formats import DECODED_SPLITS, load_spm, load_split, read_meta
+from pipeline.core.files import write_text
+from pipeline.corpus.subwords import encode
 from tools.inspect_common import (InspectError, Options, figure, params_or_reason, read_json, save_png, shown,
                                   sibling, summary, table, text_languages, text_lines)
 

@@ -9,9 +9,9 @@ from textwrap import indent
 import numpy as np
 import sentencepiece as spm
 
-from pipeline.files import count_lines
-from pipeline.formats import ID_DTYPE, SPLITS, UNK_ID, Ragged, load_spm, load_split, read_meta, split_paths
-from pipeline.subwords import DROP_REASONS, encode
+from pipeline.core.files import count_lines
+from pipeline.corpus.formats import ID_DTYPE, SPLITS, UNK_ID, Ragged, load_spm, load_split, read_meta, split_paths
+from pipeline.corpus.subwords import DROP_REASONS, encode
 from tools.inspect_common import (InspectError, Options, figure, length_histogram, read_json, save_png, shown,
                                   scan_lines, sibling, spread, summary, table)
 

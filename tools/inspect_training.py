@@ -8,10 +8,11 @@ from pathlib import Path
 
 import torch
 
-from pipeline import config
+from pipeline.core import config
 from pipeline.averaging import AverageError, select_checkpoints
-from pipeline.checkpoint import is_complete, step_files
-from pipeline.config import AverageConfig
+from pipeline.weights.checkpoint import is_complete, step_files
+from pipeline.weights.fingerprint import changed_files, code_fingerprint, code_hash
+from pipeline.core.config import AverageConfig
 from tools.inspect_common import InspectError, Options, params_or_reason, read_json, shown, table
 
 log = logging.getLogger(__name__)
@@ -34,19 +35,30 @@ def clock(seconds: float) -> str:
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
 
 
-def checkpoint_row(step: int, path: Path) -> tuple[list, str | None]:
+def code_column(payload: dict, current: dict[str, str]) -> list[str]:
+    """The checkpoint's code fingerprint (first characters) and the files whose code differs from `current`."""
+    code = payload.get("code")
+    if code is None:
+        return ["-", "unknown (none recorded)"]
+    changed = changed_files(code, current)
+    differs = ", ".join(changed[:2]) + (f" +{len(changed) - 2} more" if len(changed) > 2 else "")
+    return [code_hash(code)[:8], f"differs: {differs}" if changed else "same"]
+
+
+def checkpoint_row(step: int, path: Path, current: dict[str, str]) -> tuple[list, str | None]:
     """The table row of one checkpoint (all but the averaged column), and what is wrong with it, if anything."""
     problem, size = is_complete(path), f"{path.stat().st_size / 2**20:.1f}"
     try:
         payload = read_payload(path)
     except InspectError as e:
         problem = problem or str(e).removeprefix(f"{shown(path)}: ")
-        return [step, "-", "-", "-", size, "-", f"unreadable: {problem}"], problem
+        return [step, "-", "-", "-", size, "-", "-", "-", f"unreadable: {problem}"], problem
     if problem is None and payload.get("step") != step:
         problem = f"its payload says step {payload.get('step')}"
     ppl = (payload.get("progress") or {}).get("valid", {}).get("valid_ppl")
     row = [step, clock(payload.get("elapsed_seconds", 0.0)), f"{payload.get('train_tokens', 0):,}",
-           "-" if ppl is None else f"{ppl:.2f}", size, str(payload.get("params_hash"))[:8], problem or "sealed"]
+           "-" if ppl is None else f"{ppl:.2f}", size, str(payload.get("params_hash"))[:8],
+           *code_column(payload, current), problem or "sealed"]
     return row, problem
 
 
@@ -73,16 +85,18 @@ def show_checkpoints(path: Path, opts: Options) -> None:
         raise FileNotFoundError(f"{shown(path)}: no step_XXXXXXXX.pt files; expected the train stage's checkpoints")
     log.info("checking the sha256 of %d checkpoint(s)", len(found))
     chosen, line = averaged_by(path, opts.params)
-    rows, problems = [], []
+    rows, problems, current = [], [], code_fingerprint("stages.train")
     for step, file in found:
-        row, problem = checkpoint_row(step, file)
+        row, problem = checkpoint_row(step, file, current)
         rows.append([*row[:-1], "yes" if file in chosen else "", row[-1]])
         problems += [f"{shown(file)}: {problem}"] if problem else []
     print(f"checkpoints {shown(path)}: {len(found)} file(s)\n")
-    print(table(["step", "wall time", "train tokens", "valid ppl", "MiB", "params", "averaged", "status"], rows))
+    print(table(["step", "wall time", "train tokens", "valid ppl", "MiB", "params", "code", "vs current code",
+                 "averaged", "status"], rows))
     print(f"\n{line}")
     print("(valid ppl: the last validation before the checkpoint, every train.eval_every steps; params: the first "
-          "characters of params_hash, which must agree for `average`)")
+          "characters of params_hash; code: of the fingerprint of the code that trained it, now "
+          f"{code_hash(current)[:8]}; both must agree for `average`, and a checkpoint of other code is not resumed)")
     if problems:
         more = f" ({len(problems) - 1} more in the table)" if len(problems) > 1 else ""
         raise InspectError(f"{problems[0]}; expected a sealed checkpoint that loads{more}")

@@ -3,7 +3,7 @@
     python -m tools.report [--out reports/] [--tracking-uri sqlite:///mlflow.db]
 
 Not a DVC stage: it reads every pipeline run in the MLflow store (the tracking
-URI of pipeline.tracking unless given) and writes
+URI of pipeline.core.tracking unless given) and writes
 
     reports/report.md            one row per configuration: its runs (n), preset, the params
                                  that differ between runs, the models scored, BLEU both
@@ -21,12 +21,12 @@ BLEU-for-FLOPs frontier, tokenized BLEU against FLOPs counted (which, unlike
 hours, do not depend on the machine or its load): no other has at least the
 BLEU for at most the FLOPs.
 
-Where the numbers live (pipeline/tracking.py): a pipeline run is a parent run
+Where the numbers live (pipeline/core/tracking.py): a pipeline run is a parent run
 tagged `pipeline_key` (and preset, git_commit, dvc_exp_name); its metrics are
 the DVC metrics files as `<file stem>.<key>` (eval.bleu, train.flops_analytic...),
 their strings as tags (train.device, eval.signature); the params are on its
 child runs, one per stage, under their params.yaml names (model.d_model...).
-Only a pipeline run's own records are there (pipeline/lineage.py); runs by hand
+Only a pipeline run's own records are there (pipeline/core/lineage.py); runs by hand
 (tag hand_run) are not pipeline runs and are left out. The `model` column is the
 trained weights' params_hash (train.params_hash: model, train params, data); a
 run's BLEU and chrF count only beside the model they came from.
@@ -48,8 +48,8 @@ from pathlib import Path
 import pandas as pd
 from matplotlib.figure import Figure
 
-from pipeline import cli, tracking
-from pipeline.files import write_bytes, write_text
+from pipeline.core import cli, tracking
+from pipeline.core.files import write_bytes, write_text
 from tools import groups
 
 log = logging.getLogger(__name__)

@@ -9,13 +9,13 @@ then runs DVC's queue in the foreground, `dvc exp run --run-all -j N` (DVC's
 queue workers, as `dvc queue start -j N` starts them in the background; Ctrl+C
 stops following the logs, the experiments go on: `dvc queue status`). The whole
 queue runs, including experiments queued before. The overrides are composed
-from conf/ first (pipeline.config.compose), so a misspelt key fails here, before
+from conf/ first (pipeline.core.config.compose), so a misspelt key fails here, before
 anything is queued.
 
 Which seeds vary: the training's randomness, and only it.
     train.seed   the initial weights, the dropout masks and each epoch's batch
-                 order (pipeline/trainer.py, pipeline/steps.epoch_order)
-    batch.seed   which pairs of equal lengths share a batch (pipeline/batching.py)
+                 order (pipeline/training/trainer.py, pipeline/steps.epoch_order)
+    batch.seed   which pairs of equal lengths share a batch (pipeline/corpus/batching.py)
 tokenize.seed stays as it is: it picks the sentences sentencepiece learns the
 vocabulary from (when tokenize.input_sentence_size > 0); keeping it makes every
 seed train and score on the same tokens, so the spread measures training noise
@@ -29,8 +29,8 @@ import shlex
 import subprocess
 import sys
 
-from pipeline import cli
-from pipeline.config import compose
+from pipeline.core import cli
+from pipeline.core.config import compose
 from tools.exp_queue import queue_command, run_command
 
 SEEDS = ("train.seed", "batch.seed")  # the params a seed study varies, each set to the study's seed

@@ -34,7 +34,7 @@ import torch
 
 from model.config import ModelConfig
 from model.transformer import Transformer
-from pipeline.config import compose
+from pipeline.core.config import compose
 from tools.exp_queue import queue_command
 
 

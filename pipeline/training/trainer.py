@@ -4,7 +4,7 @@
     metrics = trainer.fit()            # or drive it: trainer.step(order), trainer.validate()
 
 Each step updates on world x grad_accumulation() stored batches
-(pipeline/steps.py): every one of the world's processes accumulates that many
+(pipeline/corpus/steps.py): every one of the world's processes accumulates that many
 micro-batches, one stored batch each. Each epoch shuffles the batch order (seed
 + epoch); a step takes the next world x accumulation batches of it and rank r
 the r-th of every world. The loss is summed over real target tokens and divided
@@ -17,7 +17,7 @@ Stops at train.max_steps: the budget, so the same params give the same
 weights on any machine. train.max_minutes (across resumes) is only a safety
 stop: rank 0's clock decides for every rank, and metrics/train.json records
 stopped_by = "max_minutes" when it fired (else "max_steps").
-Checkpoints (pipeline/checkpoint.py) every checkpoint_every steps and/or
+Checkpoints (pipeline/weights/checkpoint.py) every checkpoint_every steps and/or
 checkpoint_minutes, and at the end; on start the newest complete checkpoint
 with the same params_hash is resumed exactly (weights, Adam, RNGs, data
 position, counters): an interrupted run ends with the same weights as an
@@ -52,14 +52,17 @@ from model.config import ModelConfig
 from model.loss import SmoothedLoss, real_hidden, smoothed_and_nll
 from model.schedule import lrate
 from model.transformer import Transformer
-from pipeline import checkpoint as ckpt
-from pipeline import distributed, faults, peak, signals, steps, tracking
-from pipeline.config import TrainConfig
-from pipeline.distributed import Dist
-from pipeline.files import write_text
-from pipeline.formats import batch_paths
-from pipeline.loader import Batch, Prefetcher, TrainingData
-from pipeline.optimizer import build_optimizer, train_step
+from pipeline.weights import checkpoint as ckpt
+from pipeline.training import distributed, peak
+from pipeline.weights import faults, fingerprint
+from pipeline.core import signals, tracking
+from pipeline.corpus import steps
+from pipeline.core.config import TrainConfig
+from pipeline.training.distributed import Dist
+from pipeline.core.files import write_text
+from pipeline.corpus.formats import batch_paths
+from pipeline.training.loader import Batch, Prefetcher, TrainingData
+from pipeline.training.optimizer import build_optimizer, train_step
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +109,7 @@ class Progress:
     step_seconds: float = 0.0  # time in training steps only (tokens per second, MFU)
     valid: dict = field(default_factory=dict)
     plot_rows: list = field(default_factory=list)
+    code_changes: list = field(default_factory=list)  # [{"step", "files"}]: resumed across a code change
 
 
 def params_hash(model_cfg: ModelConfig, train_cfg: TrainConfig, max_tokens: int, world: int, tokenized: Path,
@@ -174,6 +178,11 @@ class Trainer:
         # bf16 (the weights and Adam stay fp32).
         self.autocast, self.scaler = distributed.mixed_precision(ctx.device)
         torch.manual_seed(cfg.seed + ctx.rank)  # dropout masks differ between ranks
+        # The code that shapes the weights (every project file train imports), recorded in each checkpoint:
+        # a checkpoint of other code is not resumed (pipeline/weights/checkpoint.py, resume_point).
+        self.code = fingerprint.code_fingerprint("stages.train") if checkpoints is not None else {}
+        self.code_hash = fingerprint.code_hash(self.code)
+        distributed.check_same(self.code_hash, "code fingerprint (the project files train imports)", ctx)
         self.progress = self.resume()
         self.loss_model: nn.Module = SmoothedLoss(self.model, cfg.label_smoothing, chunked=not ctx.cuda)
         if ctx.world > 1:
@@ -191,8 +200,9 @@ class Trainer:
         """Load the newest matching checkpoint (rank 0 reads it and sends it to every rank), else start afresh."""
         if self.checkpoints is None:
             return Progress()
-        found = ckpt.resume_point(self.checkpoints, self.phash) if self.ctx.is_main else None
-        path, state = distributed.broadcast_object(found or (None, None), self.ctx)
+        across = os.environ.get(ckpt.ACROSS_CODE_CHANGE_ENV, "") == "1"
+        found = ckpt.resume_point(self.checkpoints, self.phash, self.code, across) if self.ctx.is_main else None
+        path, state, changed = distributed.broadcast_object(found or (None, None, []), self.ctx)
         if path is None:
             return Progress()
         self.model.load_state_dict(state["model"])
@@ -205,6 +215,11 @@ class Trainer:
                         "step, rank); the weights equal an uninterrupted run's only without dropout",
                         len(state["rng"]), self.ctx.world)
         log.info("resuming from step %d (%s)", progress.step, path)
+        if changed:
+            log.warning("resuming %s across a code change (%s=1): %s differ; recorded in metrics and MLflow",
+                        path.name, ckpt.ACROSS_CODE_CHANGE_ENV, ", ".join(changed))
+            progress.code_changes.append({"step": progress.step, "files": changed})
+            self.run.set_tags({f"code_change_at_step_{progress.step}": ", ".join(changed)})
         self.saved_step = progress.step
         self.run.set_tags({"resumed_from_step": progress.step})
         return progress
@@ -213,10 +228,11 @@ class Trainer:
         rngs = distributed.gather_objects(ckpt.capture_rng(), self.ctx)
         if self.ctx.is_main and self.checkpoints is not None:
             p = self.progress
-            state = {  # weights_only-loadable: see pipeline/checkpoint.py and the average stage
+            state = {  # weights_only-loadable: see pipeline/weights/checkpoint.py and the average stage
                 "step": p.step, "model": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
                 "model_config": asdict(self.model_cfg), "vocab_size": self.data.vocab_size,
-                "params_hash": self.phash, "optimizer": self.optimizer.state_dict(), "rng": rngs,
+                "params_hash": self.phash, "code": self.code, "code_hash": self.code_hash,
+                "optimizer": self.optimizer.state_dict(), "rng": rngs,
                 **({"scaler": self.scaler.state_dict()} if self.scaler.is_enabled() else {}),
                 "data_position": {"epoch": p.epoch, "cursor": p.cursor}, "elapsed_seconds": p.elapsed_seconds,
                 "train_tokens": p.train_tokens, "progress": asdict(p),
@@ -372,6 +388,10 @@ class Trainer:
             "device": self.peak.device,
             "devices": world,
             "grad_accum": self.accum,
+            "code_hash": self.code_hash,
+            "code_changes": len(p.code_changes),  # resumes across a code change (RESUME_ACROSS_CODE_CHANGE=1)
+            "code_changed_at_step": p.code_changes[-1]["step"] if p.code_changes else None,
+            "code_changed_files": ", ".join(p.code_changes[-1]["files"]) if p.code_changes else "",
             "params_hash": self.phash,
             **p.valid,
         }

@@ -1,6 +1,6 @@
 """MLflow tracking: one parent run per pipeline run, one child run under it per stage; runs by hand stand alone.
 
-    from pipeline import tracking
+    from pipeline.core import tracking
     with tracking.stage_run("train", args) as run:           # args: the stage's parsed command line
         run.log_params({"model": asdict(model_cfg)})         # nested dicts -> "model.d_model"
         run.log_metrics({"loss": 2.3}, step=100)
@@ -10,7 +10,7 @@ Browse:  mlflow ui --backend-store-uri sqlite:///mlflow.db --host 127.0.0.1
 
 Where: $MLFLOW_TRACKING_URI if set, else the sqlite database `mlflow.db` in
 the repo root as an absolute path. The root is where the stage runs
-(pipeline/lineage.py, work_root: $DVC_ROOT under DVC, else the nearest
+(pipeline/core/lineage.py, work_root: $DVC_ROOT under DVC, else the nearest
 directory from the cwd up that holds dvc.yaml), never the params file's directory; inside the temporary copy that
 `dvc exp run --queue` / `--temp` runs in (`<root>/.dvc/tmp/exps/<tmpdir>/`,
 dvc/repo/experiments/executor/local.py) it is the `<root>` that holds the
@@ -19,14 +19,14 @@ under the file lock `<database>.lock`: queued experiments start together, and
 the first client creates a new store's tables). Experiment:
 `transformer-<data.name>` (runs on the same data compare).
 
-A stage run by DVC (pipeline/lineage.py: $DVC_STAGE) is a child of its
+A stage run by DVC (pipeline/core/lineage.py: $DVC_STAGE) is a child of its
 pipeline run. The parent is found (or created) by its tag `pipeline_key` =
 sha256 of the git commit and the full params file, and tagged with git_commit,
 dvc_exp_name ($DVC_EXP_NAME, which dvc sets for queued/temp experiments),
 preset (data name and model size) and params_hash (sha256 of the params file).
 The parent holds the DVC metrics files as `<file stem>.<key>` (numbers as
 metrics, strings as tags), only those of this run: when a stage opens, those
-that pipeline/lineage.py finds current (so the parent shows the whole pipeline
+that pipeline/core/lineage.py finds current (so the parent shows the whole pipeline
 even when DVC skipped cached stages); when it finishes, its own --metrics file
 and those found current once it counts as done (downstream stages that DVC
 will skip because this one wrote the same outputs as before). A stage run by hand (`python -m stages.x`)
@@ -35,7 +35,7 @@ parent and no metrics files: it never joins, nor changes, a pipeline run.
 Every stage's run is tagged `path.<argument>` with the paths it was given.
 
 Runs end FINISHED, FAILED (an exception) or KILLED (SIGINT, SIGTERM or SIGHUP:
-pipeline/signals.py raises them as exceptions while a run is open, so the runs
+pipeline/core/signals.py raises them as exceptions while a run is open, so the runs
 are closed on the way out; one arriving inside an MLflow call waits for the call
 to end; SIGKILL cannot be caught).
 
@@ -63,7 +63,7 @@ from typing import Any, Callable, Iterator
 
 import yaml
 
-from pipeline import lineage, signals, views
+from pipeline.core import lineage, signals, views
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ def git_commit(directory: Path) -> str:
 def model_size(model: dict) -> str:
     """The conf/model preset (small, base, big, tiny) whose shape (ModelConfig.shape) the model section has, else 'custom'."""
     from model.config import ModelConfig
-    from pipeline.config import CONF_DIR
+    from pipeline.core.config import CONF_DIR
 
     fields = ModelConfig.__dataclass_fields__
     for path in sorted((CONF_DIR / "model").glob("*.yaml")):
@@ -344,7 +344,7 @@ def stage_run(stage: str, args: argparse.Namespace, enabled: bool = True) -> Ite
         status = "KILLED" if signals.caused_by_signal(e) else "FAILED"
         raise
     finally:
-        if status == "FINISHED" and run.active:  # its output as tools.inspect shows it (pipeline/views.py)
+        if status == "FINISHED" and run.active:  # its output as tools.inspect shows it (pipeline/core/views.py)
             views.log_stage_view(stage, path_arguments(args), uri, run_id)
         run._call(lambda: client.set_terminated(run_id, status=status))
         if status == "FINISHED" and parent.active:  # its own --metrics file, and downstream ones DVC will skip

@@ -5,7 +5,7 @@
 kills the train stage while it writes the checkpoint of step 4 (the temporary
 file partly written, not yet renamed). Points, each called once where it
 happens: `step` (inside training step N, before its update), `checkpoint_write`
-(in pipeline.checkpoint, after the payload went into the temporary file, before
+(in pipeline.weights.checkpoint, after the payload went into the temporary file, before
 its flush and rename), `validation` (entering the validation run after step N).
 Several faults: `step@3,validation@6`. Unset or empty, inject() is one
 environment lookup: nothing else happens.

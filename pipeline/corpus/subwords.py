@@ -22,9 +22,9 @@ import numpy as np
 import sentencepiece as spm
 from sentencepiece import sentencepiece_model_pb2
 
-from pipeline.config import ParamsError, TokenizeConfig
-from pipeline.files import read_chunks
-from pipeline.formats import BOS_ID, EOS_ID, ID_DTYPE, PAD_ID, UNK_ID
+from pipeline.core.config import ParamsError, TokenizeConfig
+from pipeline.core.files import read_chunks
+from pipeline.corpus.formats import BOS_ID, EOS_ID, ID_DTYPE, PAD_ID, UNK_ID
 
 DROP_REASONS = ("empty", "too_long", "ratio")
 

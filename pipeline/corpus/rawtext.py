@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from pipeline.fetch import CHUNK, DownloadError
+from pipeline.corpus.fetch import CHUNK, DownloadError
 
 
 @dataclass(frozen=True)

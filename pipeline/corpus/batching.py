@@ -39,9 +39,9 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.config import ParamsError
-from pipeline.files import InputError
-from pipeline.formats import Ragged, load_split, read_meta
+from pipeline.core.config import ParamsError
+from pipeline.core.files import InputError
+from pipeline.corpus.formats import Ragged, load_split, read_meta
 
 
 def model_lengths(tokenized: str | Path, split: str) -> tuple[np.ndarray, np.ndarray]:

@@ -25,9 +25,9 @@ import requests
 import urllib3
 from tqdm import tqdm
 
-from pipeline.config import FileSource, safe_relpath, url_parts
-from pipeline.errors import PipelineError
-from pipeline.files import OutputError, atomic_file
+from pipeline.core.config import FileSource, safe_relpath, url_parts
+from pipeline.core.errors import PipelineError
+from pipeline.core.files import OutputError, atomic_file
 
 log = logging.getLogger(__name__)
 

@@ -4,11 +4,11 @@
     complete_checkpoints(directory) -> list[Path]         # sealed and intact, oldest step first
     load_checkpoint(path) -> dict                         # torch.load(weights_only=True)
     load_model(model_dir, device) -> Transformer          # the average stage's model.pt, ready to translate
-    resume_point(directory, params_hash) -> (path, payload) | None   # what a restarted run continues from
+    resume_point(directory, params_hash, code) -> Resume | None   # what a restarted run continues from
     fingerprint(obj, files) -> str                        # sha256 of a JSON-able object and files
     capture_rng() -> dict / restore_rng(state)            # torch (CPU, CUDA), numpy, random
 
-A checkpoint is the .pt file (written through pipeline.files.atomic_file) plus,
+A checkpoint is the .pt file (written through pipeline.core.files.atomic_file) plus,
 written after it, `step_XXXXXXXX.pt.sha256` in `sha256sum` format. It counts
 only when both exist and the file's digest matches the sidecar: a kill between
 the two writes, a truncated copy or a flipped byte leaves a file that
@@ -27,19 +27,22 @@ import re
 import shutil
 import time
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, NamedTuple
 
 import numpy as np
 import torch
 
 from model.config import ModelConfig
 from model.transformer import Transformer
-from pipeline import faults, signals
-from pipeline.errors import PipelineError
-from pipeline.files import InputError, atomic_file, write_text
+from pipeline.weights import faults
+from pipeline.core import signals
+from pipeline.core.errors import PipelineError
+from pipeline.core.files import InputError, atomic_file, write_text
+from pipeline.weights.fingerprint import changed_files
 
 log = logging.getLogger(__name__)
 
+ACROSS_CODE_CHANGE_ENV = "RESUME_ACROSS_CODE_CHANGE"  # =1: resume checkpoints of other code (recorded)
 NAME = re.compile(r"^step_(\d{8})\.pt$")
 SIDECAR_SUFFIX = ".sha256"
 HASH_CHUNK = 1 << 22
@@ -166,49 +169,83 @@ def load_model(model_dir: str | Path, device: torch.device) -> Transformer:
     return model.to(device).eval()
 
 
-def resume_point(directory: str | Path, params_hash: str) -> tuple[Path, dict] | None:
-    """The newest complete checkpoint and its payload if it has `params_hash`; else set every checkpoint aside.
+class Resume(NamedTuple):
+    """What a restarted run continues from; `code_changed` lists the files whose code differs (empty: none)."""
 
-    Unsealed or corrupt files newer than the one resumed are deleted (a run
-    would overwrite them anyway, and they would outlive newer ones in the
-    rotation). When nothing can be resumed, all step files move to
-    `<directory>.stale/<time>/`, logged, so a fresh run starts from an empty directory;
-    only that last set is kept: what earlier changes set aside is deleted, logged
-    (each set is a run's worth of checkpoints: ~800 MB for the base model).
+    path: Path
+    payload: dict
+    code_changed: list[str]
+
+
+def newest_complete(directory: Path) -> tuple[Path, dict] | None:
+    """The newest sealed, intact checkpoint and its payload; only files newer than it are checked (and skipped with
+    a warning), so a resume reads one checkpoint, not every kept one."""
+    for _, path in reversed(step_files(directory)):
+        problem = is_complete(path)
+        if problem is None:
+            return path, load_checkpoint(path)
+        log.warning("skipping checkpoint %s: %s", path, problem)
+    return None
+
+
+def resume_point(directory: str | Path, params_hash: str, code: dict[str, str],
+                 across_code_change: bool = False) -> Resume | None:
+    """The newest complete checkpoint if it has `params_hash` and was made by the same `code`
+    (pipeline/weights/fingerprint.py); else set every checkpoint aside and return None.
+
+    Checkpoints of other code are resumed only with `across_code_change`, and then
+    Resume.code_changed names the files that differ. Unsealed or corrupt files
+    newer than the one resumed are deleted (a run would overwrite them anyway,
+    and they would outlive newer ones in the rotation). When nothing can be
+    resumed, all step files move to `<directory>.stale/<time>/`, logged in one
+    line saying why, so a fresh run starts from an empty directory; only that
+    last set is kept: what earlier changes set aside is deleted, logged (each
+    set is a run's worth of checkpoints: ~800 MB for the base model).
     """
     directory = Path(directory)
     for tmp in directory.glob(".step_*.tmp") if directory.is_dir() else []:  # a write killed before its rename
         log.warning("removing %s, left by an interrupted checkpoint write", tmp)
         tmp.unlink()
-    complete = complete_checkpoints(directory)
-    payload = load_checkpoint(complete[-1]) if complete else None
-    if payload is not None and payload.get("params_hash") == params_hash:
-        newest = complete[-1]
-        for _, path in step_files(directory):
-            if path.name > newest.name:
-                log.warning("removing incomplete checkpoint %s (newer than %s)", path, newest.name)
-                path.unlink()
-                sidecar(path).unlink(missing_ok=True)
-        return newest, payload
-    old = step_files(directory)
-    if old:
-        stale = directory.with_name(f"{directory.name}.stale")
-        for earlier in sorted(stale.iterdir()) if stale.is_dir() else []:
-            log.warning("deleting %s, set aside by an earlier params change (only the last set is kept)", earlier)
-            if earlier.is_dir() and not earlier.is_symlink():
-                shutil.rmtree(earlier)
-            else:
-                earlier.unlink()
-        aside = stale / time.strftime("%Y%m%d-%H%M%S")
-        aside.mkdir(parents=True, exist_ok=True)
-        for _, path in old:
-            for p in (path, sidecar(path)):
-                if p.exists():
-                    shutil.move(str(p), aside / p.name)
-        why = (f"params changed (params_hash of {complete[-1].name} differs)" if payload is not None
-               else "no complete checkpoint to resume")
-        log.warning("%s: starting afresh; moved %d old checkpoint(s) from %s to %s", why, len(old), directory, aside)
+    found = newest_complete(directory)
+    why = "no complete checkpoint to resume"
+    if found is not None:
+        newest, payload = found
+        changed = changed_files(payload.get("code"), code)
+        if payload.get("params_hash") != params_hash:
+            why = f"params changed (params_hash of {newest.name} differs)"
+        elif changed and not across_code_change:
+            why = (f"code changed since {newest.name} ({', '.join(changed)} differ{'s' if len(changed) == 1 else ''}; "
+                   f"{ACROSS_CODE_CHANGE_ENV}=1 resumes anyway)")
+        else:
+            for _, path in step_files(directory):
+                if path.name > newest.name:
+                    log.warning("removing incomplete checkpoint %s (newer than %s)", path, newest.name)
+                    path.unlink()
+                    sidecar(path).unlink(missing_ok=True)
+            return Resume(newest, payload, changed)
+    set_aside(directory, why)
     return None
+
+
+def set_aside(directory: Path, why: str) -> None:
+    """Move every step file of `directory` to `<directory>.stale/<time>/` (deleting earlier sets), logging why."""
+    old = step_files(directory)
+    if not old:
+        return
+    stale = directory.with_name(f"{directory.name}.stale")
+    for earlier in sorted(stale.iterdir()) if stale.is_dir() else []:
+        log.warning("deleting %s, set aside by an earlier change (only the last set is kept)", earlier)
+        if earlier.is_dir() and not earlier.is_symlink():
+            shutil.rmtree(earlier)
+        else:
+            earlier.unlink()
+    aside = stale / time.strftime("%Y%m%d-%H%M%S")
+    aside.mkdir(parents=True, exist_ok=True)
+    for _, path in old:
+        for p in (path, sidecar(path)):
+            if p.exists():
+                shutil.move(str(p), aside / p.name)
+    log.warning("%s: starting afresh; moved %d old checkpoint(s) from %s to %s", why, len(old), directory, aside)
 
 
 def fingerprint(obj: object, files: list[Path]) -> str:

@@ -1,6 +1,6 @@
 """The device's peak FLOP/s, the denominator of MFU: a stable figure, recorded with where it came from.
 
-    python -m pipeline.peak      # measure this machine's peak now (best of ROUNDS) and raise the cached figure
+    python -m pipeline.training.peak      # measure this machine's peak now (best of ROUNDS) and raise the cached figure
 
 Sources, as `peak_flops_source` in metrics/train.json:
   nominal   a GPU in model.flops.PEAK_TFLOPS: its datasheet's dense peak at the
@@ -39,8 +39,8 @@ from typing import Callable
 import torch
 
 from model import flops as flops_lib
-from pipeline.distributed import Dist, autocast_dtype
-from pipeline.files import write_json
+from pipeline.training.distributed import Dist, autocast_dtype
+from pipeline.core.files import write_json
 
 log = logging.getLogger(__name__)
 

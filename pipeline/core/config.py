@@ -1,7 +1,7 @@
 """Typed, strict access to params.yaml: one frozen dataclass per section.
 
-    python -m pipeline.config params.yaml     # validate every section, print OK
-    python -m pipeline.config --compose params.yaml [experiment=NAME ...]
+    python -m pipeline.core.config params.yaml     # validate every section, print OK
+    python -m pipeline.core.config --compose params.yaml [experiment=NAME ...]
                                             # write conf/ composed (what `dvc exp run -S` does)
 
 Field names are the params keys (the paper's symbols). There are no defaults:
@@ -25,7 +25,7 @@ from typing import Any, Callable, TypeVar
 import yaml
 
 from model.config import ModelConfig
-from pipeline.errors import PipelineError
+from pipeline.core.errors import PipelineError
 
 T = TypeVar("T")
 
@@ -49,7 +49,7 @@ def safe_relpath(path: str) -> bool:
 
 
 def url_parts(url: str) -> tuple[str, str]:
-    """(host, unquoted path) of an http(s) URL naming a file: the mirror and cache layout (pipeline/fetch.py)."""
+    """(host, unquoted path) of an http(s) URL naming a file: the mirror and cache layout (pipeline/corpus/fetch.py)."""
     parts = urllib.parse.urlsplit(url)
     path = urllib.parse.unquote(parts.path).lstrip("/")
     if parts.scheme not in ("http", "https") or not parts.netloc or path.endswith("/") or not safe_relpath(path):
@@ -114,7 +114,7 @@ class DataConfig:
 @dataclass(frozen=True)
 class TokenizeConfig:
     model_type: str = field(metadata={"choices": ("bpe", "unigram")})  # sentencepiece model type
-    # above the 4 special ids; at most 65536: ids are stored as uint16 (pipeline/formats.py)
+    # above the 4 special ids; at most 65536: ids are stored as uint16 (pipeline/corpus/formats.py)
     vocab_size: int = field(metadata={"range": "[5, 65536]"})
     character_coverage: float = field(metadata={"range": "(0, 1]"})
     input_sentence_size: int = field(metadata={"range": "[0, inf)"})  # sentences sampled to train sentencepiece; 0: all
@@ -319,8 +319,8 @@ def load_all(path: str | Path) -> dict[str, Any]:
     return sections
 
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
-HEADER = "# Composed from conf/ (the comments and paper citations live there):\n#   python -m pipeline.config --compose params.yaml\n"
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+HEADER = "# Composed from conf/ (the comments and paper citations live there):\n#   python -m pipeline.core.config --compose params.yaml\n"
 
 
 def compose(overrides: list[str] = (), conf_dir: str | Path = CONF_DIR) -> dict:
@@ -340,8 +340,8 @@ def compose(overrides: list[str] = (), conf_dir: str | Path = CONF_DIR) -> dict:
     return OmegaConf.to_container(cfg, resolve=True)
 
 
-USAGE = """usage: python -m pipeline.config [PARAMS]                     check a params file (default params.yaml)
-       python -m pipeline.config --compose PARAMS [OVERRIDE ...]  compose conf/ into PARAMS, then check it"""
+USAGE = """usage: python -m pipeline.core.config [PARAMS]                     check a params file (default params.yaml)
+       python -m pipeline.core.config --compose PARAMS [OVERRIDE ...]  compose conf/ into PARAMS, then check it"""
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -351,7 +351,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     if argv and argv[0] == "--compose":
         path, overrides = argv[1], argv[2:]
-        from pipeline.files import write_text
+        from pipeline.core.files import write_text
 
         write_text(path, HEADER + yaml.safe_dump(compose(overrides), sort_keys=False))
     path = argv[1] if argv and argv[0] == "--compose" else (argv[0] if argv else "params.yaml")
@@ -360,6 +360,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from pipeline import cli
+    from pipeline.core import cli
 
     cli.run(main)

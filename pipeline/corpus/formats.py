@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import sentencepiece as spm
 
-from pipeline.files import InputError
+from pipeline.core.files import InputError
 
 # Special ids of the shared sentencepiece vocabulary (stages.tokenize sets them).
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3

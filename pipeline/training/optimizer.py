@@ -3,7 +3,7 @@
     optimizer = build_optimizer(model, train_cfg)
     loss = train_step(loss_model, optimizer, micro, global_tokens, lr, ctx, autocast, scaler)
 
-What the trainer (pipeline/trainer.py) runs every step, and what the benchmarks
+What the trainer (pipeline/training/trainer.py) runs every step, and what the benchmarks
 time, so a bench measures what `dvc repro` runs.
 """
 
@@ -15,9 +15,9 @@ import torch
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from pipeline.config import TrainConfig
-from pipeline.distributed import Dist
-from pipeline.loader import Batch
+from pipeline.core.config import TrainConfig
+from pipeline.training.distributed import Dist
+from pipeline.training.loader import Batch
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:

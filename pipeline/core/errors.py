@@ -3,7 +3,7 @@
 Each subclass lives beside the code that raises it (config.ParamsError,
 files.InputError and OutputError, fetch.DownloadError, checkpoint.CheckpointError,
 averaging.AverageError, scoring.ScoringError). Its message names the file and
-line or the params key, and what was expected; pipeline.cli.run prints it as
+line or the params key, and what was expected; pipeline.core.cli.run prints it as
 one line. Anything else is a bug and keeps its traceback.
 """
 

@@ -1,6 +1,6 @@
 """How a stage stops on a signal, and the few places a signal must wait for.
 
-    with signals.stopping():     # pipeline.cli.run and tracking.stage_run: SIGINT -> KeyboardInterrupt,
+    with signals.stopping():     # pipeline.core.cli.run and tracking.stage_run: SIGINT -> KeyboardInterrupt,
         ...                      # SIGTERM / SIGHUP -> Stopped (a SystemExit), so `finally` blocks run
     with signals.held():         # an MLflow call, a checkpoint being written: the first signal waits
         ...                      # until the block ends, then is raised; a second one is raised at once

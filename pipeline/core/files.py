@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
-from pipeline.errors import PipelineError
+from pipeline.core.errors import PipelineError
 
 log = logging.getLogger(__name__)
 

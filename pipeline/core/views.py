@@ -36,7 +36,7 @@ VIEWED = {"download": "out", "tokenize": "out", "batch": "out", "average": "out"
           "evaluate": "metrics"}  # stage -> the path argument whose view is logged
 SIBLINGS = ("raw", "tokenized", "translations")  # path arguments a view may need beside its own
 TIMEOUT_S = 600
-CODE_ROOT = Path(__file__).resolve().parent.parent
+CODE_ROOT = Path(__file__).resolve().parents[2]
 
 
 def enabled() -> bool:

@@ -3,7 +3,7 @@
     if __name__ == "__main__":
         cli.run(main)
 
-runs a stage's main(). An expected failure (pipeline.errors.PipelineError, or
+runs a stage's main(). An expected failure (pipeline.core.errors.PipelineError, or
 an OSError naming a file) ends as one line on stderr, `<stage>: error:
 <message>`, and exit status 2; Ctrl-C as one line, `<stage>: interrupted...`,
 and status 130. Anything else is a bug and keeps its traceback (exit 1), as
@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 from typing import Callable, NoReturn
 
-from pipeline import signals
-from pipeline.errors import PipelineError
+from pipeline.core import signals
+from pipeline.core.errors import PipelineError
 
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 TRACEBACK_ENV = "TRANSFORMER_TRACEBACK"
@@ -72,7 +72,7 @@ def _fail(stage: str, what: str, message: str, status: int) -> NoReturn:
     if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
         raise
     line = f"{stage}: {what}: {message}"
-    if error_file := os.environ.get(ERROR_FILE_ENV):  # torchrun's format; pipeline.distributed.launch prints it last
+    if error_file := os.environ.get(ERROR_FILE_ENV):  # torchrun's format; pipeline.training.distributed.launch prints it last
         Path(error_file).write_text(json.dumps({"message": line, "timestamp": int(time.time())}))
     logging.shutdown()  # flush the log lines before the last one
     print(line, file=sys.stderr, flush=True)

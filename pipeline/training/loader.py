@@ -1,6 +1,6 @@
 """From stored batches to tensors: what one training or validation step reads.
 
-    data = TrainingData.load(tokenized, batches)      # memory-mapped splits and batches (pipeline.formats)
+    data = TrainingData.load(tokenized, batches)      # memory-mapped splits and batches (pipeline.corpus.formats)
     batch = collate(data.train_src, data.train_tgt, rows, device)
     prefetch = Prefetcher(build, device); value = prefetch.get(key, next_key)   # build(next_key) in the background
 
@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from pipeline.formats import BOS_ID, EOS_ID, PAD_ID, Ragged, load_batches, load_split, read_meta
+from pipeline.corpus.formats import BOS_ID, EOS_ID, PAD_ID, Ragged, load_batches, load_split, read_meta
 
 
 @dataclass(frozen=True)

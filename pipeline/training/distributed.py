@@ -1,4 +1,4 @@
-"""Data-parallel plumbing for the train stage: processes, devices (their peak: pipeline/peak.py; which batches: pipeline/steps.py).
+"""Data-parallel plumbing for the train stage: processes, devices (their peak: pipeline/training/peak.py; which batches: pipeline/corpus/steps.py).
 
 torchrun sets RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE; without them
 (plain `python -m stages.train`) there is one process and no process group at
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from pipeline.config import ParamsError
-from pipeline.errors import PipelineError
+from pipeline.core.config import ParamsError
+from pipeline.core.errors import PipelineError
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ def launch(devices: int, module: str, args: list[str]) -> None:
 
     torchrun itself would end a failure with its own traceback and banner, burying the
     process's message; here the last line is that message (the `<stage>: error: ...` line
-    pipeline.cli.run recorded in TORCHELASTIC_ERROR_FILE), or which process failed and how.
+    pipeline.core.cli.run recorded in TORCHELASTIC_ERROR_FILE), or which process failed and how.
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
