@@ -16,6 +16,7 @@ from mlflow import MlflowClient
 
 from model.config import ModelConfig
 from model.transformer import Transformer
+from pipeline.weights.fingerprint import code_fingerprint, code_hash
 from pipeline.weights.checkpoint import save_checkpoint
 from pipeline.corpus.formats import batch_paths
 from tests.train_fixtures import write_split
@@ -217,20 +218,25 @@ def test_batches_that_miss_a_pair_or_point_past_the_corpus(tmp_path, capsys):
     assert "train.index.npy: holds pair 7" in err and "has 3 pairs" in err
 
 
-def make_checkpoints(directory: Path, steps: list[int]) -> None:
+def make_checkpoints(directory: Path, steps: list[int], code: dict[str, str] | None = None) -> None:
     for step in steps:
         payload = {"step": step, "model": {"w": torch.full((4,), float(step))}, "elapsed_seconds": 60.0 * step,
                    "train_tokens": 1000 * step, "progress": {"valid": {"valid_ppl": 100.0 / step}},
-                   "params_hash": "h", "model_config": MODEL_CONFIG, "vocab_size": 30}
+                   "params_hash": "h", "model_config": MODEL_CONFIG, "vocab_size": 30,
+                   **({"code": code} if code is not None else {})}
         save_checkpoint(directory, payload, keep=10)
 
 
 def test_checkpoints_table_and_the_ones_average_would_take(corpus, tmp_path, capsys):
-    make_checkpoints(tmp_path / "checkpoints", [2, 4, 6, 8])
+    current = code_fingerprint("stages.train")
+    older = {**current, "pipeline/training/trainer.py": "0" * 64}
+    make_checkpoints(tmp_path / "checkpoints", [2, 4], older)
+    make_checkpoints(tmp_path / "checkpoints", [6, 8], current)
     out = inspect(capsys, tmp_path / "checkpoints", tmp_path / "out", "--params", str(corpus / "params.yaml"))
     rows = {int(line.split()[0]): line.split() for line in out.splitlines() if re.match(r"\s*\d+\s+\d:", line)}
-    assert rows[4] == ["4", "0:04:00", "4,000", "25.00", "0.0", "h", "sealed"]
-    assert rows[8] == ["8", "0:08:00", "8,000", "12.50", "0.0", "h", "yes", "sealed"]
+    assert rows[4] == ["4", "0:04:00", "4,000", "25.00", "0.0", "h", code_hash(older)[:8],
+                       "differs:", "pipeline/training/trainer.py", "sealed"]
+    assert rows[8] == ["8", "0:08:00", "8,000", "12.50", "0.0", "h", code_hash(current)[:8], "same", "yes", "sealed"]
     assert "yes" not in rows[4] and "yes" in rows[6]
     assert "would take the last 2 complete" in out and "step_00000006.pt, step_00000008.pt" in out
     out = inspect(capsys, tmp_path / "checkpoints", tmp_path / "out", "--params", str(tmp_path / "none.yaml"))

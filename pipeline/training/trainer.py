@@ -19,9 +19,12 @@ stop: rank 0's clock decides for every rank, and metrics/train.json records
 stopped_by = "max_minutes" when it fired (else "max_steps").
 Checkpoints (pipeline/weights/checkpoint.py) every checkpoint_every steps and/or
 checkpoint_minutes, and at the end; on start the newest complete checkpoint
-with the same params_hash is resumed exactly (weights, Adam, RNGs, data
+with the same params_hash and made by the same code (pipeline/weights/fingerprint.py:
+every project file train imports) is resumed exactly (weights, Adam, RNGs, data
 position, counters): an interrupted run ends with the same weights as an
-uninterrupted one. Only rank 0 reads and writes checkpoints; it sends the one
+uninterrupted one. A checkpoint of other code is set aside like one of other
+params, unless RESUME_ACROSS_CODE_CHANGE=1: then it is resumed and the crossing
+recorded (metrics code_changes, code_changed_at_step, code_changed_files). Only rank 0 reads and writes checkpoints; it sends the one
 it resumes to every rank (other nodes need not see them), on another world size
 too when a step keeps its batches (params_hash; RNGs: restore_rank_rng).
 Precision: distributed.mixed_precision. The next step's micro-batches are built
@@ -194,7 +197,8 @@ class Trainer:
                         left_out, model_cfg.max_positions)
         self.peak = peak.peak_flops(ctx) if ctx.is_main else peak.Peak(0.0, 0.0, "", "", None)
         run.log_params({"model": asdict(model_cfg), "train": asdict(cfg), "batch.max_tokens": max_tokens,
-                        "grad_accum": self.accum, "device": self.peak.device, "params_hash": phash})
+                        "grad_accum": self.accum, "device": self.peak.device, "params_hash": phash,
+                        "code_hash": self.code_hash})
 
     def resume(self) -> Progress:
         """Load the newest matching checkpoint (rank 0 reads it and sends it to every rank), else start afresh."""

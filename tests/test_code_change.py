@@ -1,0 +1,219 @@
+"""A code change re-runs exactly what it affects: training never resumes the weights of other code.
+
+One tiny pipeline runs once under `dvc repro` in a temporary git + DVC repo;
+each test edits a copy of it and runs `dvc status` or `dvc repro` there.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from mlflow.tracking import MlflowClient
+
+from pipeline.weights import fingerprint
+from pipeline.weights.checkpoint import ACROSS_CODE_CHANGE_ENV, load_checkpoint, resume_point, save_checkpoint
+from tests.http_fixtures import FileServer
+from tests.pipeline_fixtures import dvc, dvc_run, make_repo, tiny_params, write_corpus, write_params
+
+pytestmark = pytest.mark.slow
+
+SEMANTIC_EDITS = {  # a change to what training computes, in each part of it: file -> (old, new)
+    "model/schedule.py": ("return d_model**-0.5 * min(", "return 0.5 * d_model**-0.5 * min("),
+    "model/loss.py": ("eps, V = label_smoothing, weight.shape[0]", "eps, V = label_smoothing / 2, weight.shape[0]"),
+    "model/transformer.py": ("self.embedding(tokens) * math.sqrt(self.d_model)",
+                             "self.embedding(tokens) * 0.5 * math.sqrt(self.d_model)"),
+    "pipeline/training/optimizer.py": ('group["lr"] = lr\n', 'group["lr"] = lr * 0.5\n'),
+}
+
+
+def edit(path: Path, old: str, new: str) -> None:
+    text = path.read_text(encoding="utf-8")
+    assert text.count(old) == 1, f"{path}: expected {old!r} once"
+    path.write_text(text.replace(old, new), encoding="utf-8")
+
+
+def comment_only_edit(path: Path) -> None:
+    """A new comment, a reworded module docstring and a blank line: nothing the code does."""
+    text = path.read_text(encoding="utf-8")
+    if text.startswith('"""'):
+        text = '"""Reworded: ' + text[3:]
+    path.write_text("# an added comment\n" + text.replace("\n\n", "\n\n# another comment\n\n", 1) + "\n\n",
+                    encoding="utf-8")
+
+
+def newest(repo: Path) -> Path:
+    return sorted((repo / "data" / "checkpoints").glob("step_*.pt"))[-1]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A repo where `dvc repro` ran every stage once: 8 steps, a checkpoint every 2."""
+    root = tmp_path_factory.mktemp("code_change")
+    repo = make_repo(root / "repo")
+    (root / "www").mkdir()
+    with FileServer(root / "www") as server:
+        params = tiny_params(write_corpus(root / "www", server, {"train": 200, "valid": 10, "test": 10}),
+                             max_steps=8, eval_every=4, log_every=2, checkpoint_every=2)
+        params["model"].update(n_layers=1, d_model=16, d_ff=32, n_heads=2, d_k=8, d_v=8)
+        params["tokenize"]["vocab_size"] = 60
+        params["batch"]["max_tokens"] = params["train"]["tokens_per_step"] = 300
+        params["average"]["last_n"] = 2
+        params["translate"].update(beam_size=2, max_len_b=4, max_tokens=400)
+        write_params(repo, params)
+        dvc(repo, "repro")
+    return repo
+
+
+@pytest.fixture
+def repo(trained, tmp_path) -> Path:
+    """A copy of the trained repo, for one test to edit."""
+    copy = tmp_path / "repo"
+    shutil.copytree(trained, copy, symlinks=True)
+    return copy
+
+
+def changed_stages(repo: Path) -> set[str]:
+    return set(json.loads(dvc_run(repo, "status", "--json").stdout or "{}"))
+
+
+@pytest.mark.parametrize("path, stages", [
+    ("pipeline/training/trainer.py", {"train"}),
+    ("model/transformer.py", {"train", "average", "translate"}),
+    ("pipeline/corpus/fetch.py", {"download"}),
+    ("pipeline/corpus/subwords.py", {"tokenize"}),
+    ("pipeline/corpus/batching.py", {"batch"}),
+    ("pipeline/averaging.py", {"average"}),
+    ("model/beam_search.py", {"translate"}),
+    ("pipeline/scoring.py", {"evaluate"}),
+    ("tools/inspect_data.py", set()),  # a view: no stage imports it
+])
+def test_an_edit_changes_only_the_stages_that_import_the_file(trained, path, stages):
+    """`dvc status` after an edit lists exactly the stages whose command imports the edited file."""
+    target = trained / path
+    target.parent.mkdir(parents=True, exist_ok=True)
+    before = target.read_bytes() if target.exists() else None
+    assert changed_stages(trained) == set(), "the trained repo is not up to date"
+    try:
+        with open(target, "a", encoding="utf-8") as f:
+            f.write("\nEDITED = True\n")
+        assert changed_stages(trained) == stages
+    finally:
+        if before is None:
+            target.unlink()
+        else:
+            target.write_bytes(before)
+    assert changed_stages(trained) == set()
+
+
+@pytest.mark.parametrize("path", sorted(SEMANTIC_EDITS))
+def test_a_change_to_what_training_computes_trains_afresh_from_step_0(repo, path):
+    old_newest = newest(repo)
+    old_weights = load_checkpoint(old_newest)["model"]
+    edit(repo / path, *SEMANTIC_EDITS[path])
+    out = dvc(repo, "repro", "train")
+    assert f"code changed since {old_newest.name} ({path} differs" in out
+    assert "starting afresh" in out and "resuming" not in out
+    for stage in ("download", "tokenize", "batch"):
+        assert f"Stage '{stage}' didn't change" in out
+    metrics = json.loads((repo / "metrics" / "train.json").read_text())
+    assert metrics["steps"] == 8 and metrics["code_changes"] == 0
+    stale = list(repo.glob(f"data/checkpoints.stale/*/{old_newest.name}"))
+    assert len(stale) == 1 and load_checkpoint(stale[0])["code_hash"] != metrics["code_hash"]
+    new_weights = load_checkpoint(newest(repo))["model"]
+    assert any(not torch.equal(new_weights[k], old_weights[k]) for k in old_weights), "the same weights as the old code"
+
+
+def test_a_comment_only_edit_resumes_and_keeps_the_newest_checkpoint_byte_for_byte(repo):
+    old = newest(repo)
+    old_bytes = old.read_bytes()
+    for path in ("model/transformer.py", "pipeline/training/trainer.py"):
+        comment_only_edit(repo / path)
+    out = dvc(repo, "repro", "train")
+    assert "Running stage 'train'" in out  # the file changed: DVC re-runs the stage, which resumes
+    assert "resuming from step 8 (data/checkpoints/step_00000008.pt)" in out
+    assert "code changed" not in out and not (repo / "data" / "checkpoints.stale").exists()
+    assert newest(repo) == old and old.read_bytes() == old_bytes
+
+
+def test_the_switch_resumes_across_a_code_change_records_it_and_average_refuses_the_mix(repo, monkeypatch):
+    path = "model/schedule.py"
+    edit(repo / path, *SEMANTIC_EDITS[path])
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    params["train"]["max_steps"] = 12
+    params["average"]["last_n"] = 4  # steps 6 and 8 of the old code, 10 and 12 of the new
+    write_params(repo, params)
+    monkeypatch.setenv(ACROSS_CODE_CHANGE_ENV, "1")
+    out = dvc(repo, "repro", "train")
+    assert f"resuming step_00000008.pt across a code change ({ACROSS_CODE_CHANGE_ENV}=1): {path} differ" in out
+    metrics = json.loads((repo / "metrics" / "train.json").read_text())
+    assert (metrics["steps"], metrics["code_changes"], metrics["code_changed_at_step"]) == (12, 1, 8)
+    assert metrics["code_changed_files"] == path
+    runs = MlflowClient().search_runs([e.experiment_id for e in MlflowClient().search_experiments()],
+                                      filter_string="tags.stage = 'train'", order_by=["attributes.start_time DESC"])
+    assert runs[0].data.tags.get("code_change_at_step_8") == path
+    assert runs[0].data.metrics["code_changes"] == 1
+
+    refused = dvc_run(repo, "repro", "average")
+    assert refused.returncode != 0
+    assert f"made by different code ({path} differ)" in refused.stdout + refused.stderr
+    params["average"]["last_n"] = 2  # steps 10 and 12: one code
+    write_params(repo, params)
+    dvc(repo, "repro", "average")
+    assert json.loads((repo / "data" / "model" / "averaged.json").read_text())["steps"] == [10, 12]
+
+
+# --- the fingerprint and the resume point, in-process ----------------------------------------------
+
+
+def test_the_fingerprint_follows_the_code_not_its_comments_docstrings_or_layout(tmp_path):
+    for rel in fingerprint.project_imports("stages.train"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(fingerprint.ROOT / rel, tmp_path / rel)
+    before = fingerprint.code_fingerprint("stages.train", tmp_path)
+    assert set(before) == {str(p) for p in fingerprint.project_imports("stages.train")}
+    assert {"model/transformer.py", "model/loss.py", "model/schedule.py", "pipeline/training/optimizer.py",
+            "pipeline/training/trainer.py", "stages/train.py"} <= set(before)
+    for path in before:
+        comment_only_edit(tmp_path / path)
+    assert fingerprint.code_fingerprint("stages.train", tmp_path) == before
+    for path, (old, new) in SEMANTIC_EDITS.items():
+        edit(tmp_path / path, old, new)
+        after = fingerprint.code_fingerprint("stages.train", tmp_path)
+        assert fingerprint.changed_files(before, after) == [path]
+        edit(tmp_path / path, new, old)
+
+
+def test_a_checkpoint_of_other_code_is_set_aside_unless_the_switch_says_resume(tmp_path, caplog):
+    code, other = {"model/a.py": "1", "pipeline/b.py": "2"}, {"model/a.py": "1", "pipeline/b.py": "3"}
+    for step in (1, 2):
+        save_checkpoint(tmp_path / "ck", {"step": step, "model": {}, "params_hash": "p", "code": code}, keep=5)
+    resumed = resume_point(tmp_path / "ck", "p", other, across_code_change=True)
+    assert resumed.path.name == "step_00000002.pt" and resumed.code_changed == ["pipeline/b.py"]
+    assert resume_point(tmp_path / "ck", "p", code).code_changed == []
+    with caplog.at_level(logging.WARNING):
+        assert resume_point(tmp_path / "ck", "p", other) is None
+    assert "code changed since step_00000002.pt (pipeline/b.py differs" in caplog.text
+    assert list((tmp_path / "ck").iterdir()) == []
+    save_checkpoint(tmp_path / "ck", {"step": 1, "model": {}, "params_hash": "p"}, keep=5)  # no code recorded
+    assert resume_point(tmp_path / "ck", "p", code) is None
+
+
+def test_resuming_verifies_only_the_checkpoint_it_resumes(tmp_path, monkeypatch, caplog):
+    """An older checkpoint is not read at all: a corrupt one goes unnoticed until `average` reads it."""
+    from pipeline.weights import checkpoint
+
+    for step in range(1, 6):
+        save_checkpoint(tmp_path, {"step": step, "model": {"w": torch.ones(4)}, "params_hash": "p", "code": {}}, keep=5)
+    (tmp_path / "step_00000002.pt").write_bytes(b"corrupt")
+    hashed = []
+    real = checkpoint.file_sha256
+    monkeypatch.setattr(checkpoint, "file_sha256", lambda p: hashed.append(Path(p).name) or real(p))
+    with caplog.at_level(logging.WARNING):
+        assert resume_point(tmp_path, "p", {}).path.name == "step_00000005.pt"
+    assert hashed == ["step_00000005.pt"] and "step_00000002" not in caplog.text
