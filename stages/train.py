@@ -16,7 +16,9 @@ torchrun command directly works too, and so does torchrun on each of N nodes:
 Every rank checks that it holds rank 0's params and data (params_hash); a
 collective that fails or waits past train.timeout_minutes (a node died or
 froze) stops every rank with one line saying so; restarting resumes.
-Resumes from the newest complete checkpoint with the same params_hash; stops
+Resumes from the newest complete checkpoint with the same params_hash and code
+fingerprint (a checkpoint of other code is set aside, as one of other params,
+unless RESUME_ACROSS_CODE_CHANGE=1, which metrics/train.json records); stops
 at train.max_steps (train.max_minutes is a safety stop, recorded when it
 fires); Ctrl-C says at which step it stopped.
 Outputs (rank 0 only): checkpoints, metrics/train.json, plots/train.csv and an
