@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
+from pipeline.core.progress import progress_bar
 
 from pipeline.weights.checkpoint import complete_checkpoints, load_checkpoint
 from pipeline.core.errors import PipelineError
@@ -73,7 +73,7 @@ def average_checkpoints(paths: list[Path]) -> dict:
     first: dict = {}
     sums: dict[str, torch.Tensor] = {}
     steps = []
-    for path in tqdm(paths, desc="average", unit="checkpoint"):
+    for path in progress_bar(paths, desc="average", unit="checkpoint"):
         ckpt = load_checkpoint(path)
         if not first:
             first = layout(ckpt)

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Iterable, Iterator, TextIO
 
 import requests
-from tqdm import tqdm
+from pipeline.core.progress import progress_bar
 
 from pipeline.core import cli, tracking
 from pipeline.core.config import DataConfig, FileSource, ParallelCorpus, ParamsError, load
@@ -163,7 +163,7 @@ def write_lines(f: TextIO, lines: Iterable[str], desc: str) -> int:
     """Write lines with "\\n" endings, a block at a time; return how many."""
     n = odd = 0
     it = iter(lines)
-    with tqdm(desc=desc, unit=" lines", unit_scale=True) as bar:
+    with progress_bar(desc=desc, unit=" lines", unit_scale=True) as bar:
         while block := list(itertools.islice(it, BLOCK_LINES)):
             text = "\n".join(block) + "\n"
             f.write(text)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import sentencepiece as spm
-from tqdm import tqdm
+from pipeline.core.progress import progress_bar
 
 from pipeline.core import cli, config, tracking
 from pipeline.core.config import DataConfig, TokenizeConfig
@@ -86,7 +86,7 @@ def encode_split(
     dropped = np.zeros(len(DROP_REASONS) + 1, dtype=np.int64)
     try:
         chunks = zip(*(read_chunks(raw / f"{split}.{lang}") for lang in langs))
-        with tqdm(total=lines, unit="pair", unit_scale=True, desc=f"encode {split}", mininterval=5) as bar:
+        with progress_bar(total=lines, unit="pair", unit_scale=True, desc=f"encode {split}", mininterval=5) as bar:
             for src_lines, tgt_lines in chunks:
                 (src_ids, src_len), (tgt_ids, tgt_len) = encode(sp, src_lines), encode(sp, tgt_lines)
                 if cfg is not None:

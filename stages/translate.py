@@ -43,7 +43,7 @@ import numpy as np
 import sentencepiece as spm
 import torch
 from torch.nn.utils.rnn import pad_sequence
-from tqdm import tqdm
+from pipeline.core.progress import progress_bar
 
 from model.beam_search import Hypothesis, beam_search
 from model.transformer import Transformer
@@ -128,7 +128,7 @@ def translate_ids(
                                                      max(1, cfg.max_tokens // cfg.beam_size))]
     batches, workers, threads = parallel_searches(batches, torch.get_num_threads(), device.type == "cuda")
     outputs: list[list[int]] = [[] for _ in sources]
-    with (tqdm(total=len(sources), unit="sentence", desc="translate", disable=not progress, mininterval=5) as bar,
+    with (progress_bar(total=len(sources), unit="sentence", desc="translate", disable=not progress, mininterval=5) as bar,
           torch_threads(threads), ThreadPoolExecutor(workers) as pool):
         bar.update(len(sources) - len(nonempty))  # an empty line is not decoded: its translation is empty
         for batch, hyps in zip(batches, pool.map(search, batches)):  # each batch's result is its own: same outputs

@@ -438,6 +438,19 @@ def test_sgml_text_matches_sacrebleu(tmp_path):
     assert ours == expected.read_text(encoding="utf-8").splitlines() == TEST_SRC_LINES
 
 
+def test_sgml_text_matches_sacrebleu_on_odd_segments(tmp_path):
+    """Tabs and runs of spaces, '>' and '</seg>' inside the text, text after the closing tag, no attributes' quotes."""
+    segs = ['<seg id="1">\t two  spaces\tand tabs </seg>', '<seg id=2>a > b and c</seg> d</seg>',
+            '<seg id="3" >x</seg> trailing', '<seg id="4"> </seg>', '<seg   id="5">  lead and trail  </seg>  ']
+    path, expected = tmp_path / "odd.sgm", tmp_path / "sacrebleu.txt"
+    path.write_text('<srcset setid="t" srclang="any">\n<doc docid="d" genre="news">\n' + "\n".join(segs)
+                    + "\n</doc>\n</srcset>\n", encoding="utf-8")
+    FakeSGMLDataset("toy")._convert_format(str(path), str(expected))
+    ours = [s.text for s in rawtext.read_sgm(rawtext.read_raw_lines(path, False, "odd"), "odd")]
+    assert ours == expected.read_text(encoding="utf-8").split("\n")[:len(segs)]
+    assert ours[1] == "a > b and c</seg> d" and ours[2] == "x trailing"
+
+
 def test_line_breaks_inside_lines_are_kept_and_warned(tmp_path, caplog):
     path = tmp_path / "out.txt"
     with open(path, "w", encoding="utf-8", newline="\n") as f, caplog.at_level(logging.WARNING):

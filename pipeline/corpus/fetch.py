@@ -23,7 +23,7 @@ from typing import Iterable, NamedTuple
 
 import requests
 import urllib3
-from tqdm import tqdm
+from pipeline.core.progress import progress_bar
 
 from pipeline.core.config import FileSource, safe_relpath, url_parts
 from pipeline.core.errors import PipelineError
@@ -146,7 +146,7 @@ def _fetch_once(url: str, part: Path, session: requests.Session) -> bool:
                 log.info("%s: server ignored the Range request; restarting from byte 0", url)
             have, total = 0, int(r.headers["Content-Length"]) if "Content-Length" in r.headers else None
         name = PurePosixPath(urllib.parse.urlsplit(url).path).name
-        with open(part, "ab" if have else "wb") as f, tqdm(
+        with open(part, "ab" if have else "wb") as f, progress_bar(
             desc=name, total=total, initial=have, unit="B", unit_scale=True, unit_divisor=1024
         ) as bar:
             for chunk in r.raw.stream(CHUNK, decode_content=False):  # the bytes as served, never decoded
@@ -366,7 +366,7 @@ def extract_members(archive: Path, names: Iterable[str], dest: Path, label: str)
                     continue
                 _check_member(info, dest, label)
                 wanted.discard(name)
-                with tar.extractfile(info) as src, atomic_file(dest / name) as dst, tqdm(
+                with tar.extractfile(info) as src, atomic_file(dest / name) as dst, progress_bar(
                     desc=PurePosixPath(name).name, total=info.size, unit="B", unit_scale=True, unit_divisor=1024
                 ) as bar:
                     while chunk := src.read(CHUNK):

@@ -51,13 +51,18 @@ def read_raw_lines(path: Path, gz: bool, label: str) -> Iterator[str]:
 
 # Why not sacrebleu's reader: its public API (DATASETS[...].source/references) reads only what its own
 # downloader put in ~/.sacrebleu (the whole archive, by urllib), which the mirror (members, not archives),
-# the cache and the sha256 pins cannot serve; the function underneath (FakeSGMLDataset._convert_format) is
-# private, writes a file and drops the doc and segment ids that check_segments needs. Ours gave the same
-# 29486 lines as that function on the mirror's 10 newstest2013/2014 SGML files (README, "Offline mirror");
-# test_download.py::test_sgml_text_matches_sacrebleu keeps the two equal on a fixture.
+# the cache and the sha256 pins cannot serve; the function underneath is private, writes a file and drops
+# the doc and segment ids that check_segments needs. test_download.py::test_sgml_text_matches_sacrebleu
+# keeps our text equal to sacrebleu's on a fixture.
 _SEG_ID = re.compile(r'<seg\s[^>]*?\bid\s*=\s*"?([^"\s>]+)')
-_SEG_TEXT = re.compile(r"<seg.*?>(.*)</seg>.*?")  # sacrebleu's FakeSGMLDataset, verbatim
 _DOCID = re.compile(r'\bdocid\s*=\s*"([^"]*)"')
+
+
+def seg_text(line: str) -> str:
+    """The text of a `<seg ...>text</seg>` line: from the end of the opening tag to the last `</seg>`, with
+    anything after that closing tag kept (as sacrebleu reads these files)."""
+    start, end = line.index(">") + 1, line.rindex("</seg>")
+    return line[start:end] + line[end + len("</seg>"):]
 
 
 def read_sgm(lines: Iterable[str], label: str) -> list[Segment]:
@@ -71,7 +76,7 @@ def read_sgm(lines: Iterable[str], label: str) -> list[Segment]:
             match = _SEG_ID.match(line)
             if match is None or "</seg>" not in line:
                 raise DownloadError(f"{label}: line {n}: expected <seg id=N>text</seg> on one line, got {line[:80]!r}")
-            text = re.sub(r"\s+", " ", _SEG_TEXT.sub(r"\1", line).strip())  # sacrebleu's Dataset._clean
+            text = " ".join(seg_text(line).split())  # whitespace runs to one space, ends stripped
             segments.append(Segment(docid, match[1], text))
     return segments
 

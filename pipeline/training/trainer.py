@@ -48,7 +48,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
-from tqdm import tqdm
+from pipeline.core.progress import progress_bar
 
 from model import flops as flops_lib
 from model.config import ModelConfig
@@ -169,7 +169,7 @@ class Trainer:
         self._order: tuple[int, np.ndarray] = (-1, np.zeros(0, np.int64))  # (epoch, its batch order)
         self.stopped_by_time = False
         self.saved_step: int | None = None  # the newest checkpoint written or resumed from
-        self.bar: tqdm | None = None
+        self.bar = None  # the progress bar, while training
         self.accum = steps.grad_accumulation(cfg.tokens_per_step, max_tokens, ctx.world)
         log.info("%d device(s) x %d micro-batch(es) of <= %d tokens per step (train.tokens_per_step = %d); "
                  "%d train batches per epoch", ctx.world, self.accum, max_tokens, cfg.tokens_per_step,
@@ -328,7 +328,7 @@ class Trainer:
         interval = torch.zeros(2, dtype=torch.float64, device=ctx.device)  # loss sum, tokens since the last row
         interval_seconds, interval_tokens, saved_at = 0.0, 0, p.step
         start, last_save = time.monotonic() - p.elapsed_seconds, time.monotonic()
-        bar = self.bar = tqdm(total=cfg.max_steps, initial=p.step, disable=not ctx.is_main, unit="step", dynamic_ncols=True)
+        bar = self.bar = progress_bar(total=cfg.max_steps, initial=p.step, disable=not ctx.is_main, unit="step", dynamic_ncols=True)
         stop, _ = self.decide(0.0)
         while not stop:
             t0 = time.perf_counter()

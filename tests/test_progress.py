@@ -1,0 +1,70 @@
+"""Progress on a terminal is tqdm's live bar; in a log file or CI it is plain lines, a few a minute at most."""
+
+from __future__ import annotations
+
+import io
+import re
+import os
+import time
+
+import pytest
+
+from pipeline.core import progress as progress_module
+from pipeline.core.progress import progress_bar
+from tests.http_fixtures import FileServer
+from tests.pipeline_fixtures import dvc, make_repo, tiny_params, write_corpus, write_params
+
+
+def run_bar(stream, steps: int = 200, pause: float = 0.005) -> None:
+    with progress_bar(total=steps, desc="encode train", unit="pair", file=stream) as bar:
+        for step in range(steps):
+            bar.update(1)
+            bar.set_postfix(loss=f"{1 / (step + 1):.3f}")  # a forced refresh, as the trainer's log steps do
+            time.sleep(pause)
+
+
+def test_on_a_non_terminal_each_update_is_a_plain_line_the_first_at_once_then_at_most_one_per_interval(monkeypatch):
+    monkeypatch.setattr(progress_module, "NON_TERMINAL_SECONDS", 0.25)
+    out = io.StringIO()
+    start = time.monotonic()
+    run_bar(out)
+    took = time.monotonic() - start
+    text = out.getvalue()
+    assert "\r" not in text
+    lines = text.splitlines()
+    assert lines[0].startswith("encode train:") and " 0/200 " in lines[0]
+    assert " 200/200 " in lines[-1] and "loss=0.005" in lines[-1]  # the final figures, written when the bar closes
+    assert 3 <= len(lines) <= took / 0.25 + 2, lines  # rate-limited: not one line per update
+    assert all(line.startswith("encode train:") for line in lines)
+
+
+def test_on_a_terminal_the_bar_redraws_in_place():
+    leader, follower = os.openpty()
+    with os.fdopen(follower, "w", closefd=True) as tty:
+        assert tty.isatty()
+        run_bar(tty, steps=20, pause=0.0)
+        tty.flush()
+        os.set_blocking(leader, False)
+        written = b""
+        while True:
+            try:
+                chunk = os.read(leader, 65536)
+            except BlockingIOError:
+                break
+            if not chunk:
+                break
+            written += chunk
+    os.close(leader)
+    assert written.count(b"\r") >= 2 and b"20/20" in written  # tqdm's carriage-return redraws, unchanged
+
+
+@pytest.mark.slow
+def test_dvc_repro_into_a_pipe_logs_progress_as_lines_not_carriage_returns(tmp_path):
+    """`dvc repro` with its output captured (a pipe, as in CI or `dvc repro > log`): no redraws piled in a line."""
+    repo = make_repo(tmp_path / "repo")
+    (tmp_path / "www").mkdir()
+    with FileServer(tmp_path / "www") as server:
+        write_params(repo, tiny_params(write_corpus(tmp_path / "www", server, {"train": 300, "valid": 10, "test": 10})))
+        out = dvc(repo, "repro", "tokenize")
+    assert "\r" not in out
+    assert re.search(r"^encode train: +100% 300/300 ", out, re.M), out[-2000:]
