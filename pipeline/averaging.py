@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from pipeline.core.progress import progress_bar
+from pipeline.progress import progress_bar
 
 from pipeline.weights.checkpoint import complete_checkpoints, load_checkpoint
 from pipeline.core.errors import PipelineError

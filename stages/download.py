@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Iterable, Iterator, TextIO
 
 import requests
-from pipeline.core.progress import progress_bar
+from pipeline.progress import progress_bar
 
 from pipeline.core import cli, tracking
 from pipeline.core.config import DataConfig, FileSource, ParallelCorpus, ParamsError, load

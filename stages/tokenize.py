@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import sentencepiece as spm
-from pipeline.core.progress import progress_bar
+from pipeline.progress import progress_bar
 
 from pipeline.core import cli, config, tracking
 from pipeline.core.config import DataConfig, TokenizeConfig

@@ -43,7 +43,7 @@ import numpy as np
 import sentencepiece as spm
 import torch
 from torch.nn.utils.rnn import pad_sequence
-from pipeline.core.progress import progress_bar
+from pipeline.progress import progress_bar
 
 from model.beam_search import Hypothesis, beam_search
 from model.transformer import Transformer

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from pipeline.core import progress as progress_module
-from pipeline.core.progress import progress_bar
+from pipeline import progress as progress_module
+from pipeline.progress import progress_bar
 from tests.http_fixtures import FileServer
 from tests.pipeline_fixtures import dvc, make_repo, tiny_params, write_corpus, write_params
 

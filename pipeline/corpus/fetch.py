@@ -23,7 +23,7 @@ from typing import Iterable, NamedTuple
 
 import requests
 import urllib3
-from pipeline.core.progress import progress_bar
+from pipeline.progress import progress_bar
 
 from pipeline.core.config import FileSource, safe_relpath, url_parts
 from pipeline.core.errors import PipelineError

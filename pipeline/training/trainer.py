@@ -48,7 +48,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
-from pipeline.core.progress import progress_bar
+from pipeline.progress import progress_bar
 
 from model import flops as flops_lib
 from model.config import ModelConfig
