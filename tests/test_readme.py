@@ -45,7 +45,7 @@ def test_every_make_target_the_readme_names_is_a_phony_target():
 
 
 def test_every_module_the_readme_runs_exists():
-    modules = set(re.findall(r"python -m ((?:stages|pipeline|tools|bench)\.\w+)", README))
+    modules = set(re.findall(r"python -m ((?:stages|pipeline|tools|bench)(?:\.\w+)+)", README))
     assert modules and [m for m in modules if not (ROOT / f"{m.replace('.', '/')}.py").is_file()] == []
 
 
@@ -75,25 +75,27 @@ def layout_mentions() -> tuple[set[str], set[str]]:
     """The paths the README's "How the code is laid out" tree names, and its top-level entries.
 
     A line at column 0 is a top-level entry (`stages/`, `dvc.yaml`), one indented by two spaces an entry
-    of the folder above it, a deeper one continues the description before it. A `name.py` in a description
-    is a file of its top-level folder; `folder/name.py` is a path from the repository root.
+    of the folder above it (a file, or a subfolder such as `core/`), a deeper one continues the description
+    before it. A `name.py` in a description is a file of the folder or subfolder it describes;
+    `folder/name.py` is a path from the repository root.
     """
     block = README.split("## How the code is laid out", 1)[1].split("```", 2)[1]
-    paths, top, folder = set(), set(), ""
+    paths, top, folder, here = set(), set(), "", ""
     for line in block.splitlines()[1:]:
         indent, (name, _, text) = len(line) - len(line.lstrip(" ")), line.strip().partition(" ")
         if not name:
             continue
         if indent == 0:
             top.add(name.rstrip("/"))
-            folder = name if name.endswith("/") else ""
+            folder = here = name if name.endswith("/") else ""
             paths.add(name.rstrip("/"))
         elif indent == 2:
+            here = folder + name if name.endswith("/") else folder
             paths.add(folder + name.rstrip("/"))
         else:
             text = line
         for word in re.findall(r"[\w/.-]+\.py\b", text):
-            paths.add(word if "/" in word else folder + word)
+            paths.add(word if "/" in word else here + word)
     return paths, top
 
 
