@@ -11,7 +11,7 @@ accumulation), and prints the valid perplexity every `--every` million real
 target tokens, then greedy BLEU (sacreBLEU, 13a) on the test split. Counting tokens
 rather than minutes makes runs comparable on a busy machine: two can run side
 by side (`--threads 1` each). This is how the default preset's batch size,
-schedule and initialisation were chosen (README, "Choosing the small model").
+schedule and initialisation were chosen (docs/results.md, "Choosing the small model").
 
 `--init xavier` re-initialises every attention and feed-forward matrix with
 Xavier-uniform (W^Q, W^K, W^V each on its own), the scheme the model used

@@ -75,7 +75,7 @@ def top_log_probs(logits: Tensor, k: int, block: int = 64) -> tuple[Tensor, Tens
     others has k tokens above its best), so the search for them reads k blocks
     instead of V tokens; the normaliser is one in-place pass of exp over the row.
     In the default's decoding this took 6% of the time where log_softmax + topk
-    took 10% (README, "Decoding speed").
+    took 10% (docs/benchmarks.md, "Decoding speed").
     """
     R, V = logits.shape
     n = V // block

@@ -263,9 +263,9 @@ class Transformer(nn.Module):
         # in a torch.nn.TransformerDecoderLayer built on its own (nn.MultiheadAttention's
         # stacked in_proj, nn.Linear's default elsewhere): about half the scale of Xavier
         # on every matrix. On Multi30k it reached valid ppl 49.7 after 0.75M target
-        # tokens against 70.8 with Xavier on every matrix (README, "Choosing the small
-        # model"). Embeddings follow tensor2tensor: scaled by sqrt(d_model) they start
-        # with unit variance.
+        # tokens against 70.8 with Xavier on every matrix
+        # (docs/results.md, "Choosing the small model"). Embeddings follow
+        # tensor2tensor: scaled by sqrt(d_model) they start with unit variance.
         """
         for module in self.modules():
             if isinstance(module, MultiHeadAttention):

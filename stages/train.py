@@ -11,7 +11,7 @@ with the failing process's message rather than torchrun's report; running that
 torchrun command directly works too, and so does torchrun on each of N nodes:
 
     torchrun --nnodes=N --nproc_per_node=<devices> --rdzv_backend=c10d --rdzv_endpoint=HOST:PORT \
-        --rdzv_id=RUN -m stages.train ...          # README, "Multi-node training"
+        --rdzv_id=RUN -m stages.train ...          # docs/multi_node.md, "Running it"
 
 Every rank checks that it holds rank 0's params and data (params_hash); a
 collective that fails or waits past train.timeout_minutes (a node died or

@@ -40,7 +40,7 @@ def test_paper_preset_holds_the_papers_values(experiment):
 @pytest.mark.parametrize("experiment", sorted(PAPER))
 def test_paper_preset_steps_hold_25000_real_tokens_per_side(experiment):
     """Sec. 5.1: ~25000 real source + 25000 real target tokens a step. The cap counts padded tokens, so
-    3300 was measured to hold ~3125 real tokens a side (README, "Tokens per step"): one batch per GPU on
+    3300 was measured to hold ~3125 real tokens a side (docs/paper_scale.md, "Tokens per step"): one batch per GPU on
     8 GPUs, and the same 8 batches a step on 1, 2 or 4."""
     params = compose([f"experiment={experiment}"])
     assert params["train"]["devices"] == 8

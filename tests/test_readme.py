@@ -113,6 +113,63 @@ def test_the_layout_tree_names_every_code_file_and_folder_and_only_what_exists()
     assert not any(problems.values()), problems
 
 
+def headings(page: Path) -> set[str]:
+    """The text of every markdown heading of `page`."""
+    return {m.strip() for m in re.findall(r"^#+ (.+)$", page.read_text(encoding="utf-8"), re.M)}
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+
+
+SECTION_REFERENCE = re.compile(r"\b(README|docs/[\w-]+\.md), \\?\"([^\"\\]+)\\?\"")
+
+
+def section_references() -> list[tuple[str, str, str]]:
+    """Every (file:line, page, heading) that code, conf, dvc.yaml or the Makefile cite as `(README, "Heading")`."""
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    found = []
+    for name in tracked:
+        path = ROOT / name
+        if not re.search(r"\.(py|ya?ml|toml|cfg|sh)$|(^|/)Makefile$", name) or path.name == "test_readme.py" \
+                or not path.is_file():
+            continue
+        text = path.read_text(encoding="utf-8")
+        for m in SECTION_REFERENCE.finditer(text):
+            found.append((f"{name}:{text.count(chr(10), 0, m.start()) + 1}", m[1], m[2]))
+        # a citation of a page without a quoted heading on the same line cannot be checked: not allowed
+        for m in re.finditer(r"\bREADME\b(?!\.md\b)(?!, \\?\")", text):
+            found.append((f"{name}:{text.count(chr(10), 0, m.start()) + 1}", "README", "<no quoted heading>"))
+    return found
+
+
+def test_every_section_the_code_cites_is_a_heading_of_the_readme_or_a_docs_page():
+    references = section_references()
+    if not references:
+        pytest.skip("not a git checkout")
+    wrong = [f"{where}: {page}, {heading!r}" for where, page, heading in references
+             if heading not in headings(ROOT / ("README.md" if page == "README" else page))]
+    assert len(references) >= 10 and wrong == [], wrong
+
+
+def test_every_link_of_the_readme_and_docs_lands_on_a_file_and_heading_that_exist():
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    wrong, checked = [], 0
+    for page in pages:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text(encoding="utf-8")):
+            if re.match(r"\w+://|mailto:", target):
+                continue
+            file, _, anchor = target.partition("#")
+            dest = (page.parent / file).resolve() if file else page
+            checked += 1
+            if not dest.exists():
+                wrong.append(f"{page.name}: {target}: no such file")
+            elif anchor and anchor not in {slug(h) for h in headings(dest)}:
+                wrong.append(f"{page.name}: {target}: no heading with that anchor in {dest.name}")
+    assert checked >= 20 and wrong == [], wrong
+
+
 # --- slow: the DVC commands in a real repo ----------------------------------------------------------------------
 
 

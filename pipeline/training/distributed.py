@@ -81,7 +81,7 @@ def setup(devices: int, timeout_minutes: float) -> Dist:
             f"train.devices={devices} but {local_world} process(es) were started on this node (train.devices counts "
             f"the processes of one node); run `python -m stages.train ...` (as dvc.yaml does: it starts train.devices "
             f"processes), `torchrun --nproc_per_node={devices} ...`, or on each node of a multi-node run `torchrun "
-            f"--nnodes=N --nproc_per_node={devices} --rdzv_backend=c10d ...` (README, Multi-node training)")
+            f"--nnodes=N --nproc_per_node={devices} --rdzv_backend=c10d ...` (README, \"Multi-node training\")")
     if torch.cuda.is_available():
         if devices > torch.cuda.device_count():
             raise ParamsError(f"train.devices={devices} but this machine has {torch.cuda.device_count()} GPU(s)")
