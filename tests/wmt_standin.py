@@ -3,15 +3,16 @@
     www = tmp_path / "www"
     pinned = stand_in(www, params["data"], {"train": 150, "valid": 20, "test": 20})
     with FileServer(www) as server:
-        data = local_urls(pinned, server)     # the URLs moved to the server, or:
-        os.environ["CORPUS_MIRROR"] = server.url()   # the official URLs kept, the server as their mirror
+        data = local_urls(pinned, server)     # the URLs moved to the server
+    # or, with stand_in(..., unpacked=True), the official URLs kept and the server as their mirror:
+    #   CORPUS_MIRROR=server.url() in the download's environment
 
 Every archive the data section names (training tgz/tar, dev.tgz, test-full.tgz)
-is written at www/<host>/<path> (the mirror layout, pipeline/corpus/fetch.py)
-with the members the preset reads, filled with aligned synthetic lines: plain
-text, gzip inside a tar (giga-fren), plain newstest2013 dev files and SGML
-newstest2014 files with the srcset / refset headers and docids of the real
-ones. The lines come from tests/pipeline_fixtures.py's small grammar, or from
+is written at www/<host>/<path> with the members the preset reads (or those
+members unpacked below it: the mirror layout of pipeline/corpus/fetch.py),
+filled with aligned synthetic lines: plain text, gzip inside a tar
+(giga-fren), plain newstest2013 dev files and SGML newstest2014 files with the
+srcset / refset headers and docids of the real ones. The lines come from tests/pipeline_fixtures.py's small grammar, or from
 Lexicon: a large made-up lexicon, so that sentencepiece can learn a paper-size
 vocabulary (37000 pieces) from a few thousand pairs.
 """
@@ -88,9 +89,11 @@ def write_archive(path: Path, members: dict[str, bytes]) -> None:
             tar.addfile(info, io.BytesIO(data))
 
 
-def stand_in(www: Path, data: dict, lines: dict[str, int], pair: PairMaker = sentence_pair) -> dict:
-    """Write every archive `data` names under www/<host>/<path>, `lines[split]` pairs per corpus made by `pair`;
-    return `data` with each member's sha256 pinned."""
+def stand_in(www: Path, data: dict, lines: dict[str, int], pair: PairMaker = sentence_pair,
+             unpacked: bool = False) -> dict:
+    """Write every archive `data` names under www/<host>/<path>, `lines[split]` pairs per corpus made by `pair`
+    (`unpacked`: each member at www/<host>/<path>/<member> instead, as a mirror holds them); return `data` with
+    each member's sha256 pinned."""
     rng = random.Random(3)
     archives: dict[str, dict[str, bytes]] = {}
     pinned = copy.deepcopy(data)
@@ -104,7 +107,12 @@ def stand_in(www: Path, data: dict, lines: dict[str, int], pair: PairMaker = sen
                 source["sha256"] = hashlib.sha256(content).hexdigest()
     for url, members in archives.items():
         parts = urllib.parse.urlsplit(url)
-        write_archive(www / parts.netloc / parts.path.lstrip("/"), members)
+        path = www / parts.netloc / parts.path.lstrip("/")
+        if not unpacked:
+            write_archive(path, members)
+        for name, content in members.items() if unpacked else ():
+            (path / name).parent.mkdir(parents=True, exist_ok=True)
+            (path / name).write_bytes(content)
     return pinned
 
 
