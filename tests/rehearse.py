@@ -262,11 +262,9 @@ def main(argv: list[str] | None = None) -> None:
         for override, why in plan.overrides:
             say(f"override: {override} ({why})")
         official = compose([f"experiment={EXPERIMENT}"])["data"]
-        pinned = stand_in(work / "www", official, plan.lines, Lexicon(plan.words), unpacked=True)
+        pinned = stand_in(work / "www", official, plan.lines, Lexicon(plan.words))
         sizes = ", ".join(f"{split} {plan.lines[split]} x {len(official[split])}" for split in SPLITS)
         say(f"stand-in: pairs per corpus x corpora: {sizes}; {plan.words} made-up words per language")
-        say("not rehearsed: the archives' download and extraction (an http(s) CORPUS_MIRROR serves the members "
-            "unpacked, at <host>/<path>/<member>; tests/test_wmt_presets.py downloads and extracts the archives)")
         for note in plan.notes:
             say(f"scaled down: {note}")
         with FileServer(work / "www") as server:
