@@ -9,7 +9,7 @@ export DVC_NO_ANALYTICS := 1
 export MLFLOW_DISABLE_TELEMETRY := true
 export DO_NOT_TRACK := 1
 
-.PHONY: install run test bench clean ui inspect multinode-smoke gpu-check
+.PHONY: install run test bench clean ui inspect multinode-smoke rehearse gpu-check
 
 install: $(VENV)/.installed
 
@@ -37,6 +37,11 @@ inspect: install
 # Two torchrun "nodes" over 127.0.0.1 against one process; last line: max |w_2node - w_1proc| = X
 multinode-smoke: install
 	$(BIN)/python -m tests.multinode_smoke
+
+# The wmt14_en_de_base preset at the paper's model size through all seven stages, 8 processes (gloo), on a
+# stand-in corpus served from 127.0.0.1: per stage time and peak memory; last line: max |w_8proc - w_1proc| = X
+rehearse: install
+	$(BIN)/python -m tests.rehearse
 
 # base and big training steps and beam-4 decoding on the GPU (exits 0 saying so without CUDA)
 gpu-check: install

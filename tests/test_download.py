@@ -316,14 +316,18 @@ def test_mirror_directory_and_http_mirror_give_byte_identical_outputs(site):
     archives = make_mirror(site, site.tmp / "mirror_archives", unpack=False)
     with FileServer(site.tmp / "mirror_http") as mirror_server:
         make_mirror(site, site.tmp / "mirror_http" / "base", unpack=True)
+        make_mirror(site, site.tmp / "mirror_http" / "packed", unpack=False)
         outs = {
             "dir": site.run(out="dir", cache="c1", mirror=str(unpacked)),
             "dir-archives": site.run(out="dir-archives", cache="c2", mirror=str(archives)),
             "http": site.run(out="http", cache="c3", mirror=mirror_server.url("base/")),
+            "http-archives": site.run(out="http-archives", cache="c4", mirror=mirror_server.url("packed/")),
         }
-        member_requests = [r.path for r in gets(mirror_server) if "dev.tgz/dev/" in r.path]
+        member_requests = [r.path for r in gets(mirror_server) if "dev.tgz/dev/" in r.path and r.status == 200]
+        archive_requests = [r.path for r in gets(mirror_server) if r.path.endswith("dev.tgz") and r.status == 200]
     assert len(site.server.requests) == asked  # the official server was not asked again
     assert sorted(member_requests) == [f"/base/{site.host}/wmt/dev.tgz/dev/valid.{lang}" for lang in ("de", "en")]
+    assert archive_requests == [f"/packed/{site.host}/wmt/dev.tgz"]  # members asked first (404), then the archive
     for name, out in outs.items():
         assert read_tree(out) == direct, name
         assert site.metrics(name) == direct_metrics, name

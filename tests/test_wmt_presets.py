@@ -1,25 +1,19 @@
 """The WMT14 presets' data stages run end to end on a tiny stand-in corpus at the official file layout.
 
-No WMT data here: every archive a preset names (training tgz/tar, dev.tgz,
-test-full.tgz) is written with the members the preset reads, filled with a few
-hundred aligned synthetic lines: plain text, gzip inside a tar (giga-fren),
-plain newstest2013 dev files and SGML newstest2014 files with the srcset /
-refset headers and docids of the real ones. Then download -> tokenize -> batch
-run on each preset's composed params (tiny vocabulary), so the first user with
-the real files meets no path that never ran.
+No WMT data here: every archive a preset names is written with the members the
+preset reads, filled with a few hundred aligned synthetic lines
+(tests/wmt_standin.py). Then download -> tokenize -> batch run on each preset's
+composed params (tiny vocabulary), so the first user with the real files meets
+no path that never ran. tests/rehearse.py (make rehearse) runs all seven stages
+of the en-de base preset on a larger stand-in.
 """
 
 from __future__ import annotations
 
 import copy
-import gzip
-import hashlib
-import io
 import json
 import logging
-import random
 import re
-import tarfile
 import urllib.parse
 from pathlib import Path
 
@@ -30,69 +24,10 @@ from pipeline.core.config import compose
 from pipeline.corpus.formats import SPLITS
 from stages import batch, download, tokenize
 from tests.http_fixtures import FileServer
-from tests.pipeline_fixtures import sentence_pair
+from tests.wmt_standin import local_urls, stand_in
 
 PRESETS = ["wmt14_en_de_base", "wmt14_en_fr_big"]  # en-de big reads the same files as en-de base
 LINES = {"train": 150, "valid": 20, "test": 20}
-
-
-def sgml(lines: list[str], lang: str, ref: bool) -> str:
-    """A newstest SGML file: a <srcset>/<refset> header naming the language, two documents of <seg>s."""
-    head = (f'<refset setid="newstest2014" srclang="any" trglang="{lang}">' if ref
-            else '<srcset setid="newstest2014" srclang="any">')
-    out, half = [head], len(lines) // 2
-    for d, doc in enumerate((lines[:half], lines[half:])):
-        out += [f'<doc sysid="ref" docid="{d}-standin" genre="news" origlang="en">', "<p>"]
-        out += [f'<seg id="{i}">{text}</seg>' for i, text in enumerate(doc, 1)]
-        out += ["</p>", "</doc>"]
-    return "\n".join(out + ["</refset>" if ref else "</srcset>"]) + "\n"
-
-
-def member_bytes(member: str, lines: list[str], lang: str) -> bytes:
-    """A member's contents in the format its name says: .sgm (SGML), .gz (gzip), else plain text."""
-    if member.endswith(".sgm"):
-        return sgml(lines, lang, ref="-ref." in member).encode()
-    text = "".join(line + "\n" for line in lines).encode()
-    return gzip.compress(text, mtime=0) if member.endswith(".gz") else text
-
-
-def write_archive(path: Path, members: dict[str, bytes]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(path, "w:gz" if path.name.endswith((".tgz", ".tar.gz")) else "w") as tar:
-        for name, data in sorted(members.items()):
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-
-
-def stand_in(www: Path, data: dict) -> dict:
-    """Write every archive `data` names under www/<host>/<path>; return `data` with each member's sha256 pinned."""
-    rng = random.Random(3)
-    archives: dict[str, dict[str, bytes]] = {}
-    pinned = copy.deepcopy(data)
-    for split in SPLITS:
-        for corpus in pinned[split]:
-            pairs = [sentence_pair(rng) for _ in range(LINES[split])]
-            for side, column in (("src", 0), ("tgt", 1)):
-                source, lang = corpus[side], data["src_lang" if side == "src" else "tgt_lang"]
-                content = member_bytes(source["member"], [p[column] for p in pairs], lang)
-                archives.setdefault(source["url"], {})[source["member"]] = content
-                source["sha256"] = hashlib.sha256(content).hexdigest()
-    for url, members in archives.items():
-        parts = urllib.parse.urlsplit(url)
-        write_archive(www / parts.netloc / parts.path.lstrip("/"), members)
-    return pinned
-
-
-def local_urls(data: dict, server: FileServer) -> dict:
-    """`data` with every URL moved to `server` (same host/path below it), members kept."""
-    moved = copy.deepcopy(data)
-    for split in SPLITS:
-        for corpus in moved[split]:
-            for side in ("src", "tgt"):
-                parts = urllib.parse.urlsplit(corpus[side]["url"])
-                corpus[side]["url"] = server.url(parts.netloc + parts.path)
-    return moved
 
 
 def run_data_stages(root: Path, params: dict) -> dict[str, dict]:
@@ -111,7 +46,7 @@ def test_the_presets_data_stages_run_on_a_stand_in_at_the_official_layout(tmp_pa
     params = compose([f"experiment={experiment}", "tokenize.vocab_size=70"])
     www = tmp_path / "www"
     with FileServer(www) as server:
-        pinned = stand_in(www, params["data"])
+        pinned = stand_in(www, params["data"], LINES)
         params["data"] = local_urls(pinned, server)
         metrics = run_data_stages(tmp_path, params)
         archives = {urllib.parse.urlsplit(r.path).path for r in server.requests}
@@ -136,7 +71,7 @@ def test_the_presets_unpinned_files_are_each_named_by_the_download(tmp_path, mon
     """The official URLs, through CORPUS_MIRROR (the stand-in's directory), with the presets' null sha256 kept."""
     params = compose([f"experiment={experiment}"])
     official = params["data"]
-    pinned = stand_in(tmp_path / "mirror", official)
+    pinned = stand_in(tmp_path / "mirror", official, LINES)
     data = copy.deepcopy(pinned)
     unpinned = []
     for split in SPLITS:

@@ -2,7 +2,8 @@
 
 A source is an http(s) URL, optionally with a member of the tar archive it names. The mirror path
 of a URL is `<mirror>/<host>/<path>` (a directory or an http(s) base URL): a file there is the
-download itself; a directory holds the archive's members unpacked at their member paths. The cache
+download itself (an archive as it is); a directory holds the archive's members unpacked at their
+member paths. An http mirror is asked for the members first, then for the archive. The cache
 keeps downloads at `<cache>/files/<host>/<path>` and extracted members at
 `<cache>/members/<host>/<path>/<member>`. Every source gives the same bytes, checked by sha256.
 """
@@ -205,13 +206,14 @@ def _mirror_path(mirror: str, url: str) -> Path:
     return Path(mirror) / host / path
 
 
-def _try_mirror(url: str, mirror_url: str, dest: Path, session: requests.Session) -> bool:
-    """Download `url` from the http mirror; False (with a warning) if the mirror has no such file."""
+def _try_mirror(url: str, mirror_url: str, dest: Path, session: requests.Session, otherwise: str = "the official URL"
+                ) -> bool:
+    """Download `url` from the http mirror; False (with a warning naming what comes next) if it has no such file."""
     try:
         download(mirror_url, dest, session)
         return True
     except NotFound:
-        log.warning("%s: not in the %s; using the official URL", mirror_url, MIRROR_ENV)
+        log.warning("%s: not in the %s; using %s", mirror_url, MIRROR_ENV, otherwise)
         return False
     except DownloadError as e:
         raise DownloadError(f"{url} (from {MIRROR_ENV}): {e}") from None
@@ -268,22 +270,27 @@ def fetch_members(
                 log.warning("stale cache, fetching again: %s", e)
                 (cache / "files" / host / path).unlink(missing_ok=True)
     todo = [s for s in sources if s not in out]
+    origin = None  # the http mirror's copy of the archive, if extracted from it
     if todo and mirror and _is_http_mirror(mirror):
         for s in todo:
             member_url = f"{_mirror_url(mirror, url)}/{urllib.parse.quote(s.member)}"
-            if _try_mirror(label_of(s), member_url, members / s.member, session):
+            if _try_mirror(label_of(s), member_url, members / s.member, session, "its archive, from the mirror or the official URL"):
                 out[s] = verify(members / s.member, s, delete=True, origin=member_url)
         todo = [s for s in sources if s not in out]
+        if todo and not (cache / "files" / host / path).exists() and _mirror_has_file(_mirror_url(mirror, url), session):
+            download(_mirror_url(mirror, url), cache / "files" / host / path, session)  # the archive as it is
+            origin = _mirror_url(mirror, url)
     if todo:
         cached = archive is None
         if cached:
             archive = cache / "files" / host / path
             if not archive.exists():
                 download(url, archive, session)
-        extract_members(archive, [s.member for s in todo], members, label if cached else f"{label} from {archive}")
+        extract_members(archive, [s.member for s in todo], members,
+                        f"{label} from {origin}" if origin else label if cached else f"{label} from {archive}")
         for s in todo:
             try:
-                out[s] = verify(members / s.member, s, delete=True, origin=None if cached else str(archive))
+                out[s] = verify(members / s.member, s, delete=True, origin=origin or (None if cached else str(archive)))
             except ChecksumError:
                 if cached:  # nothing kept: the archive it came from goes too
                     archive.unlink(missing_ok=True)
@@ -304,6 +311,15 @@ def _why_not(url: str, session: requests.Session) -> str | None:
     return f"{url}: HTTP {r.status_code} {r.reason}" if r.status_code in (401, 403, 404, 410) else None
 
 
+def _mirror_has_file(url: str, session: requests.Session) -> bool:
+    """Whether an http mirror serves a file at `url` (200 without a redirect: a directory redirects to `url/`)."""
+    try:
+        return session.head(url, allow_redirects=False, timeout=HEAD_TIMEOUT_S,
+                            headers={"Accept-Encoding": "identity"}).status_code == 200
+    except requests.RequestException:
+        return False
+
+
 def _unavailable(url: str, members: list[str], cache: Path, mirror: str | None, session: requests.Session) -> str | None:
     """Why `url` (or these members of it) can be had from neither the cache, the mirror nor the network, or None."""
     host, path = url_parts(url)
@@ -315,6 +331,8 @@ def _unavailable(url: str, members: list[str], cache: Path, mirror: str | None, 
     if mirror and _is_http_mirror(mirror):
         mirrored = [f"{_mirror_url(mirror, url)}/{urllib.parse.quote(m)}" for m in members] or [_mirror_url(mirror, url)]
         problems = [why for m in mirrored if (why := _why_not(m, session))]
+        if members and problems and _mirror_has_file(_mirror_url(mirror, url), session):
+            problems = []  # the archive itself is there
         if not problems:
             return None
         if not all(re.search(r": HTTP (404|410) ", why) for why in problems):  # a mirror that fails is no fallback
