@@ -27,7 +27,10 @@ PARAM): agree`. The weights alone would say little: with the preset's warmup of
 4000 steps, 10 steps move them by at most the sum of the learning rates, about
 1e-5 (an Adam step is about lr whatever the gradient). So the line before it
 compares Adam's first moments (the gradients' running mean) relative to their
-largest value. Exits 1 when either disagrees, 2 when a stage fails.
+largest value, and the one before that counts the weights that differ by more
+than 1e-8, 1e-7 and 1e-6: the few that differ most have gradients at rounding
+level, where Adam's step, about lr whatever the gradient, takes the sign that
+the rounding gave. Exits 1 when either disagrees, 2 when a stage fails.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 import yaml
 
 from pipeline.core.config import compose
@@ -246,6 +250,14 @@ def differences(eight: dict, one: dict) -> tuple[float, str, float]:
     return weights, where, moments
 
 
+def spread(eight: dict, one: dict) -> str:
+    """How many weights differ, by how much: the few that differ most are those whose gradient is at rounding level,
+    where Adam's step (about lr, whatever the gradient's size) takes the sign the rounding gave."""
+    diff = torch.cat([(eight["model"][k] - one["model"][k]).abs().flatten() for k in eight["model"]])
+    counts = ", ".join(f"{int((diff > t).sum()):,} by more than {t:g}" for t in (1e-8, 1e-7, 1e-6))
+    return f"weights: {diff.numel():,}; {counts}"
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", help="the tiny model and a smaller stand-in (the test's)")
@@ -291,6 +303,7 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(1)
         weights, where, moments = differences(eight, one)
         say(f"total {time.monotonic() - start:.0f} s (load average now {os.getloadavg()[0]:.2f})")
+        say(spread(eight, one))
         ok_m, ok_w = moments <= MOMENT_TOLERANCE, weights <= WEIGHTS_TOLERANCE
         say(f"max |m_8proc - m_1proc| / max |m_1proc| = {moments:.3g} (Adam first moments after step "
             f"{one['step']}, tolerance {MOMENT_TOLERANCE:g}): "
