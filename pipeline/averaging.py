@@ -1,9 +1,14 @@
 """Checkpoint averaging (Sec. 6.1): the parameter-wise mean of the newest complete checkpoints.
 
-    paths = select_checkpoints(directory, last_n)   # oldest first; truncated or unsealed files skipped
-    averaged = average_checkpoints(paths)           # {"model", "steps", "params_hash", "code_hash", "model_config", "vocab_size"}
+    averaged, paths = average_checkpoints(directory, last_n)   # {"model", "steps", "params_hash", "code_hash",
+                                                               #  "model_config", "vocab_size"}, oldest first
+    paths = select_checkpoints(directory, last_n)   # which ones average_checkpoints takes (tools.inspect)
 
-Loaded one at a time, summed in float64 and cast back to each tensor's dtype,
+Loaded one at a time, newest first, each file read once: its bytes checked
+against its sidecar and then loaded (pipeline/weights/checkpoint.py,
+newest_sealed), so what is averaged is what was verified; truncated, corrupt or
+unsealed files are skipped with a warning, and files older than the last_n
+taken are never read. Summed in float64 and cast back to each tensor's dtype,
 so one checkpoint gives back its weights bit for bit. Checkpoints that disagree
 in their tensors' names or shapes, their params_hash, the code that trained
 them (code_hash; whatever RESUME_ACROSS_CODE_CHANGE allowed training to resume),
@@ -12,15 +17,18 @@ model_config or vocab_size are refused (AverageError), naming the files.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
 from pipeline.progress import progress_bar
 
-from pipeline.weights.checkpoint import complete_checkpoints, load_checkpoint
+from pipeline.weights.checkpoint import is_complete, newest_sealed, step_files
 from pipeline.core.errors import PipelineError
 from pipeline.core.files import InputError
 from pipeline.weights.fingerprint import changed_files
+
+log = logging.getLogger(__name__)
 
 # must agree between averaged checkpoints: the same params and data, and the same code (pipeline/weights/fingerprint.py)
 HEADER_KEYS = ("params_hash", "code_hash", "model_config", "vocab_size")
@@ -30,18 +38,27 @@ class AverageError(PipelineError):
     """The checkpoints cannot be averaged; the message names the files and what differs."""
 
 
+def too_few(directory: Path, last_n: int, complete: list[Path]) -> AverageError:
+    found = ", ".join(p.name for p in complete) or "none"
+    return AverageError(f"{directory}: average.last_n = {last_n} but only {len(complete)} complete checkpoint(s) "
+                        f"({found}); train longer, keep more (train.keep_checkpoints) or lower average.last_n")
+
+
 def select_checkpoints(directory: Path, last_n: int) -> list[Path]:
-    """The newest `last_n` complete checkpoints, oldest first."""
+    """The newest `last_n` complete checkpoints, oldest first (sha256 checked newest first, older ones not read)."""
     if not directory.is_dir():
         raise InputError(f"{directory}: missing; run the train stage first")
-    complete = complete_checkpoints(directory)
+    complete = []
+    for _, path in reversed(step_files(directory)):
+        if len(complete) == last_n:
+            break
+        if (problem := is_complete(path)) is None:
+            complete.insert(0, path)
+        else:
+            log.warning("skipping checkpoint %s: %s", path, problem)
     if len(complete) < last_n:
-        found = ", ".join(p.name for p in complete) or "none"
-        raise AverageError(
-            f"{directory}: average.last_n = {last_n} but only {len(complete)} complete checkpoint(s) ({found}); "
-            "train longer, keep more (train.keep_checkpoints) or lower average.last_n"
-        )
-    return complete[-last_n:]
+        raise too_few(directory, last_n, complete)
+    return complete
 
 
 def layout(ckpt: dict) -> dict:
@@ -68,22 +85,32 @@ def mismatch(a: dict, b: dict) -> str | None:
     return None
 
 
-def average_checkpoints(paths: list[Path]) -> dict:
-    """The averaged model: the mean of each tensor over `paths`, accumulated in float64."""
+def average_checkpoints(directory: Path, last_n: int) -> tuple[dict, list[Path]]:
+    """The averaged model of the newest `last_n` complete checkpoints (the mean of each tensor, accumulated in
+    float64), and their paths, oldest first."""
+    if not directory.is_dir():
+        raise InputError(f"{directory}: missing; run the train stage first")
     first: dict = {}
     sums: dict[str, torch.Tensor] = {}
-    steps = []
-    for path in progress_bar(paths, desc="average", unit="checkpoint"):
-        ckpt = load_checkpoint(path)
-        if not first:
-            first = layout(ckpt)
-            sums = {name: t.to(torch.float64, copy=True) for name, t in ckpt["model"].items()}
-        elif problem := mismatch(first, layout(ckpt)):
-            raise AverageError(f"cannot average {paths[0]} with {path}: {problem}")
-        else:
-            for name, t in ckpt["model"].items():
-                sums[name] += t.to(torch.float64)
-        steps.append(int(ckpt["step"]))
-        del ckpt
+    paths: list[Path] = []
+    steps: list[int] = []
+    with progress_bar(total=last_n, desc="average", unit="checkpoint") as bar:
+        for path, ckpt in newest_sealed(directory):
+            if not first:
+                first = layout(ckpt)
+                sums = {name: t.to(torch.float64, copy=True) for name, t in ckpt["model"].items()}
+            elif problem := mismatch(layout(ckpt), first):  # older vs newer, as the files go
+                raise AverageError(f"cannot average {path} with {paths[-1]}: {problem}")
+            else:
+                for name, t in ckpt["model"].items():
+                    sums[name] += t.to(torch.float64)
+            paths.insert(0, path)
+            steps.insert(0, int(ckpt["step"]))
+            del ckpt
+            bar.update(1)
+            if len(paths) == last_n:
+                break
+    if len(paths) < last_n:
+        raise too_few(directory, last_n, paths)
     model = {name: (s / len(paths)).to(first["tensors"][name][0]) for name, s in sums.items()}
-    return {"model": model, "steps": steps, **{key: first[key] for key in HEADER_KEYS}}
+    return {"model": model, "steps": steps, **{key: first[key] for key in HEADER_KEYS}}, paths

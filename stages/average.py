@@ -22,7 +22,7 @@ from dataclasses import asdict
 import torch
 
 from pipeline.core import cli, config, tracking
-from pipeline.averaging import average_checkpoints, select_checkpoints
+from pipeline.averaging import average_checkpoints
 from pipeline.core.config import AverageConfig
 from pipeline.core.files import atomic_dir, write_json
 
@@ -34,8 +34,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = config.load(args.params, "average", AverageConfig)
     with tracking.stage_run("average", args) as run:
         run.log_params({"average": asdict(cfg)})
-        paths = select_checkpoints(args.checkpoints, cfg.last_n)
-        averaged = average_checkpoints(paths)
+        averaged, paths = average_checkpoints(args.checkpoints, cfg.last_n)
         with atomic_dir(args.out) as tmp:
             torch.save(averaged, tmp / "model.pt")
             write_json(tmp / "averaged.json", {"steps": averaged["steps"], "checkpoints": [p.name for p in paths]})

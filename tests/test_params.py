@@ -42,6 +42,8 @@ def leaves(cls: type, key: str) -> Iterator[tuple[str, dataclasses.Field]]:
 def bad_values(f: dataclasses.Field, value: Any) -> Iterator[tuple[Any, str]]:
     """Values outside what the field declares, each with the text the error must show (the range, the set...)."""
     meta = f.metadata
+    if isinstance(value, bool):  # a switch: true or false, nothing else (not "yes", not 1)
+        yield "yes", "expected bool"
     if "range" in meta:
         left, lo, hi, right = re.fullmatch(r"([\[(])(\S+), (\S+)([\])])", meta["range"]).groups()
         if isinstance(value, list):

@@ -156,6 +156,8 @@ class TrainConfig:
     seed: int = field(metadata=SEED)
     # a collective (all-reduce, broadcast) waiting this long fails the run: a node died or froze
     timeout_minutes: float = field(metadata={"range": "(0, inf)"})
+    # torch.compile the encoder and decoder layers (pipeline/training/compiled.py); eager if compiling fails
+    compile: bool = field(metadata={})
 
 
 @dataclass(frozen=True)

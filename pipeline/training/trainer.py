@@ -27,7 +27,9 @@ params, unless RESUME_ACROSS_CODE_CHANGE=1: then it is resumed and the crossing
 recorded (metrics code_changes, code_changed_at_step, code_changed_files). Only rank 0 reads and writes checkpoints; it sends the one
 it resumes to every rank (other nodes need not see them), on another world size
 too when a step keeps its batches (params_hash; RNGs: restore_rank_rng).
-Precision: distributed.mixed_precision. The next step's micro-batches are built
+Precision: distributed.mixed_precision. train.compile compiles the encoder and decoder layers
+(pipeline/training/compiled.py: checkpoints unchanged); if compiling fails, the step is repeated eager
+and the run stays eager, with one warning. The next step's micro-batches are built
 in a background thread while this one trains (loader.Prefetcher).
 
 Set STAGES_TRAIN_TRACE=DIR to have every rank append, per step, the batches it
@@ -56,7 +58,7 @@ from model.loss import SmoothedLoss, real_hidden, smoothed_and_nll
 from model.schedule import lrate
 from model.transformer import Transformer
 from pipeline.weights import checkpoint as ckpt
-from pipeline.training import distributed, peak
+from pipeline.training import compiled, distributed, peak
 from pipeline.weights import faults, fingerprint
 from pipeline.core import signals, tracking
 from pipeline.corpus import steps
@@ -73,8 +75,10 @@ PLOT_COLUMNS = ("step", "loss", "lr", "tokens_per_second", "valid_ppl")
 # Train params that do not change the weights of a given step: changing them
 # resumes the old run instead of restarting it (e.g. a larger max_steps continues).
 # devices: the step's batches (world x accumulation) count instead, see params_hash.
-NOT_WEIGHT_SHAPING = ("max_steps", "max_minutes", "eval_every", "log_every",
-                      "checkpoint_minutes", "checkpoint_every", "keep_checkpoints", "devices", "timeout_minutes")
+# compile: the same function of the same weights, rounded otherwise (as on another GPU); a run that falls
+# back to eager (compiled.py) must resume its own checkpoints, and switching it should not cost the run.
+NOT_WEIGHT_SHAPING = ("max_steps", "max_minutes", "eval_every", "log_every", "checkpoint_minutes",
+                      "checkpoint_every", "keep_checkpoints", "devices", "timeout_minutes", "compile")
 TRACE_ENV = "STAGES_TRAIN_TRACE"
 
 
@@ -187,6 +191,8 @@ class Trainer:
         self.code_hash = fingerprint.code_hash(self.code)
         distributed.check_same(self.code_hash, "code fingerprint (the project files train imports)", ctx)
         self.progress = self.resume()
+        # Compiled after resuming (load_state_dict on the plain module) and inside DDP, which stays eager.
+        self.compiled = compiled.compile_layers(self.model) if cfg.compile else []
         self.loss_model: nn.Module = SmoothedLoss(self.model, cfg.label_smoothing, chunked=not ctx.cuda)
         if ctx.world > 1:
             self.loss_model = DistributedDataParallel(self.loss_model, device_ids=[ctx.local_rank] if ctx.cuda else None)
@@ -277,8 +283,8 @@ class Trainer:
         S, T = self.data.lengths(step_ids)
         lr = self.cfg.lr_factor * lrate(p.step + 1, self.model_cfg.d_model, self.cfg.warmup_steps)
         faults.inject("step", p.step + 1)  # tests only: TRANSFORMER_FAULT=step@N kills the process here
-        loss_sum = train_step(self.loss_model, self.optimizer, micro, int(T.sum()), lr, ctx, self.autocast,
-                              self.scaler)
+        loss_sum = self.compiled_or_eager(lambda: train_step(self.loss_model, self.optimizer, micro, int(T.sum()), lr,
+                                                             ctx, self.autocast, self.scaler))
         p.step += 1
         p.train_tokens += int(T.sum())
         p.src_tokens += int(S.sum())
@@ -287,10 +293,28 @@ class Trainer:
         trace(ctx, p.step, list(mine[0]), self.model)
         return loss_sum, sum(b.tokens for b, real in micro if real), lr
 
+    def compiled_or_eager(self, run):
+        """run(); if the compiled layers fail to compile, back to eager (one warning) and run() again.
+
+        A failure comes from a layer's forward, before any Adam update: the step's gradients so far are
+        dropped and the RNGs (dropout) put back, so the repeat is the step eager would have trained."""
+        if not self.compiled:
+            return run()
+        rng = ckpt.capture_rng()
+        try:
+            return run()
+        except compiled.COMPILE_FAILURES as e:
+            compiled.fallback(self.compiled, e)
+            self.compiled = []
+            self.optimizer.zero_grad(set_to_none=True)
+            ckpt.restore_rng(rng)
+            return run()
+
     def validate(self) -> dict[str, float]:
         """Validation loss and perplexity of the current weights, over all ranks; kept in the progress."""
         p = self.progress
-        p.valid = validate(self.model, self.valid, self.cfg.label_smoothing, self.ctx, self.autocast)
+        p.valid = self.compiled_or_eager(
+            lambda: validate(self.model, self.valid, self.cfg.label_smoothing, self.ctx, self.autocast))
         log.info("step %d: valid loss %.4f, nll %.4f, ppl %.2f", p.step, p.valid["valid_loss"],
                  p.valid["valid_nll"], p.valid["valid_ppl"])
         self.run.log_metrics(p.valid, step=p.step)

@@ -1,8 +1,10 @@
 """Training checkpoints: atomic `step_XXXXXXXX.pt` files, each sealed by a sha256 sidecar.
 
     save_checkpoint(directory, payload, keep) -> Path     # write, seal, keep the newest `keep`
-    complete_checkpoints(directory) -> list[Path]         # sealed and intact, oldest step first
+    complete_checkpoints(directory) -> list[Path]         # sealed and intact, oldest step first (reads them all)
     load_checkpoint(path) -> dict                         # torch.load(weights_only=True)
+    load_sealed(path) -> dict                             # read once: checked against its sidecar, then loaded
+    newest_sealed(directory) -> Iterator[(Path, dict)]    # newest first, each read once, broken ones skipped
     load_model(model_dir, device) -> Transformer          # the average stage's model.pt, ready to translate
     resume_point(directory, params_hash, code) -> Resume | None   # what a restarted run continues from
     fingerprint(obj, files) -> str                        # sha256 of a JSON-able object and files
@@ -20,6 +22,7 @@ lists and dicts of them.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import random
@@ -27,6 +30,7 @@ import re
 import shutil
 import time
 from pathlib import Path
+from collections.abc import Iterator
 from typing import BinaryIO, NamedTuple
 
 import numpy as np
@@ -108,16 +112,46 @@ def save_checkpoint(directory: str | Path, payload: dict, keep: int) -> Path:
     return path
 
 
-def is_complete(path: Path) -> str | None:
-    """None when `path` and its sidecar agree, else why not (for the warning)."""
+class UnsealedCheckpoint(CheckpointError):
+    """A checkpoint without its sidecar, or whose bytes do not match it; the message says which."""
+
+
+def _seal_problem(path: Path, data: bytes | None = None) -> str | None:
+    """Why `path` is not sealed (no sidecar, or the sha256 of its bytes, `data` if given, differs from the
+    sidecar's), else None. The file is read only when it has a sidecar."""
     seal = sidecar(path)
     if not seal.exists():
         return f"no {seal.name} (interrupted while saving?)"
     expected = seal.read_text(encoding="utf-8").split()[:1]
-    actual = file_sha256(path)
+    actual = file_sha256(path) if data is None else hashlib.sha256(data).hexdigest()
     if expected != [actual]:
         return f"sha256 {actual[:12]}... does not match {seal.name} (truncated or corrupt)"
     return None
+
+
+def is_complete(path: Path) -> str | None:
+    """None when `path` and its sidecar agree, else why not (for the warning)."""
+    return _seal_problem(path)
+
+
+def load_sealed(path: Path) -> dict:
+    """The payload of a sealed checkpoint, its bytes read once: hashed, checked against the sidecar, then loaded
+    from memory (what is loaded is what was checked). UnsealedCheckpoint when it is not sealed."""
+    data = path.read_bytes() if sidecar(path).exists() else b""
+    problem = _seal_problem(path, data)
+    if problem is not None:
+        raise UnsealedCheckpoint(problem)
+    return load_checkpoint(io.BytesIO(data), name=path)
+
+
+def newest_sealed(directory: Path) -> Iterator[tuple[Path, dict]]:
+    """Sealed checkpoints of `directory` and their payloads, newest first, each read once when asked for (a resume
+    reads one, the average stage average.last_n); the broken ones on the way are skipped with a warning."""
+    for _, path in reversed(step_files(directory)):
+        try:
+            yield path, load_sealed(path)
+        except UnsealedCheckpoint as e:
+            log.warning("skipping checkpoint %s: %s", path, e)
 
 
 def complete_checkpoints(directory: str | Path) -> list[Path]:
@@ -132,11 +166,12 @@ def complete_checkpoints(directory: str | Path) -> list[Path]:
     return complete
 
 
-def load_checkpoint(path: str | Path) -> dict:
-    """Load a checkpoint onto the CPU with torch.load(weights_only=True); errors name the file."""
-    path = Path(path)
+def load_checkpoint(path: str | Path | BinaryIO, name: str | Path | None = None) -> dict:
+    """Load a checkpoint onto the CPU with torch.load(weights_only=True); errors name the file (`name` for a buffer)."""
+    source = path if isinstance(path, io.IOBase) else Path(path)
+    path = Path(name) if name is not None else source
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
+        payload = torch.load(source, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: checkpoint not found") from None
     except Exception as e:
@@ -178,14 +213,9 @@ class Resume(NamedTuple):
 
 
 def newest_complete(directory: Path) -> tuple[Path, dict] | None:
-    """The newest sealed, intact checkpoint and its payload; only files newer than it are checked (and skipped with
-    a warning), so a resume reads one checkpoint, not every kept one."""
-    for _, path in reversed(step_files(directory)):
-        problem = is_complete(path)
-        if problem is None:
-            return path, load_checkpoint(path)
-        log.warning("skipping checkpoint %s: %s", path, problem)
-    return None
+    """The newest sealed, intact checkpoint and its payload; only files newer than it are read (and skipped with
+    a warning), so a resume reads one checkpoint, once, not every kept one."""
+    return next(newest_sealed(directory), None)
 
 
 def resume_point(directory: str | Path, params_hash: str, code: dict[str, str],
