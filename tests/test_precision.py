@@ -15,7 +15,6 @@ import threading
 import pytest
 import torch
 
-from bench import gpu_check
 from model.config import ModelConfig
 from model.loss import SmoothedLoss
 from model.transformer import Transformer
@@ -98,25 +97,6 @@ def test_the_prefetcher_builds_the_next_key_in_the_background_and_returns_what_b
         prefetch.get(7, 8)  # the background build's error, where its value is needed
     assert threads[1] == threads[5] == threading.current_thread().name
     assert threads[2].startswith("prefetch") and threads[3].startswith("prefetch")
-
-
-def test_gpu_check_without_a_gpu_says_so_in_one_line_and_exits_0(monkeypatch, capsys):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    gpu_check.main([])
-    assert capsys.readouterr().out.splitlines() == [
-        "gpu-check: no CUDA GPU on this machine (torch.cuda.is_available() is False); nothing to check"]
-
-
-def test_gpu_check_runs_its_training_and_decoding_on_a_tiny_model_on_the_cpu(monkeypatch, capsys):
-    """--tiny (hidden): the same code with a small model on the CPU, so the GPU run meets no untried line."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    gpu_check.main(["--tiny", "--steps", "1", "--sentences", "4", "--no-compile"])
-    lines = capsys.readouterr().out.splitlines()
-    assert [line.split(":")[0] for line in lines] == ["base", "base", "big", "big"], lines
-    train_line, decode_line = lines[0], lines[1]
-    assert "target tokens/s, MFU" in train_line and "x batch.max_tokens 512" in train_line
-    assert float(train_line.split(" target tokens/s")[0].split(": ")[1].replace(",", "")) > 0
-    assert "beam 4:" in decode_line and "sentences/s (translate_ids, fp32)" in decode_line
 
 
 # --- CUDA itself ----------------------------------------------------------------------------------------

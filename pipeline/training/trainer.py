@@ -194,7 +194,7 @@ class Trainer:
         # Compiled after resuming (load_state_dict on the plain module) and inside DDP, which stays eager.
         self.compiled = compiled.compile_layers(self.model) if cfg.compile else []
         self.loss_model: nn.Module = SmoothedLoss(self.model, cfg.label_smoothing, chunked=not ctx.cuda)
-        if ctx.world > 1:
+        if ctx.world > 1 or torch.distributed.is_initialized():  # a group of one too: bench.gpu_check times DDP
             self.loss_model = DistributedDataParallel(self.loss_model, device_ids=[ctx.local_rank] if ctx.cuda else None)
         self.prefetch = Prefetcher(lambda share: data.micro_batches(*share, ctx.device), ctx.device)
         self.valid, left_out = data.valid_share(ctx.rank, ctx.world, model_cfg.max_positions, ctx.device)
