@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import random
 import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from model.config import ModelConfig
 from model.transformer import Transformer
 from pipeline.weights.checkpoint import (CheckpointError, capture_rng, complete_checkpoints, fingerprint, load_checkpoint,
                                restore_rng, resume_point, save_checkpoint, sidecar)
+from stages import average
 from tests.train_fixtures import MODEL, VOCAB
 
 
@@ -123,3 +125,57 @@ def test_fingerprint_follows_values_and_file_contents(tmp_path):
     assert base != fingerprint({"a": 2, "b": [1, 2]}, [f])
     f.write_text("{ }")
     assert base != fingerprint({"a": 1, "b": [1, 2]}, [f])
+
+
+# --- what resuming and averaging read -----------------------------------------------------------------
+
+PROC_IO = Path("/proc/self/io")
+
+
+def bytes_read(run) -> tuple[object, int]:
+    """run()'s value and the bytes this process read meanwhile (Linux's rchar: read() calls, page cache included)."""
+    def rchar() -> int:
+        return int(next(line for line in PROC_IO.read_text().splitlines() if line.startswith("rchar:")).split()[1])
+    before = rchar()
+    value = run()
+    return value, rchar() - before
+
+
+def big_checkpoints(directory: Path, steps: range) -> int:
+    """Sealed checkpoints of 2 MiB of weights each (reads of them dwarf everything else); the size of one."""
+    for step in steps:
+        path = save_checkpoint(directory, {"step": step, "model": {"w": torch.full((2**19,), float(step))},
+                                           "params_hash": "p", "code": {}, "model_config": {}, "vocab_size": 1}, keep=10)
+    return path.stat().st_size
+
+
+@pytest.mark.skipif(not PROC_IO.exists(), reason="counts bytes read with Linux's /proc/self/io")
+def test_resuming_reads_the_checkpoint_it_resumes_once_and_no_older_one(tmp_path, caplog):
+    """Checked and loaded from one read (what is loaded is what was checked); a corrupt older checkpoint goes
+    unnoticed until `average` reads it, if it does."""
+    size = big_checkpoints(tmp_path, range(1, 6))
+    (tmp_path / "step_00000002.pt").write_bytes(b"corrupt")
+    with caplog.at_level(logging.WARNING):
+        found, read = bytes_read(lambda: resume_point(tmp_path, "p", {}))
+    assert found.path.name == "step_00000005.pt" and torch.equal(found.payload["model"]["w"], torch.full((2**19,), 5.0))
+    assert size <= read < 1.2 * size, f"read {read / size:.2f} checkpoints' worth"
+    assert "step_00000002" not in caplog.text
+
+
+@pytest.mark.skipif(not PROC_IO.exists(), reason="counts bytes read with Linux's /proc/self/io")
+def test_the_average_stage_reads_the_last_n_checkpoints_once_each_and_no_older_one(tmp_path, caplog):
+    size = big_checkpoints(tmp_path / "ck", range(1, 7))
+    (tmp_path / "ck" / "step_00000002.pt").write_bytes(b"corrupt")
+    data = bytearray((tmp_path / "ck" / "step_00000005.pt").read_bytes())
+    data[len(data) // 2] ^= 0xFF  # a corrupt one among the newest: skipped, the next older one taken instead
+    (tmp_path / "ck" / "step_00000005.pt").write_bytes(bytes(data))
+    (tmp_path / "params.yaml").write_text("average:\n  last_n: 3\n")
+    args = ["--checkpoints", str(tmp_path / "ck"), "--out", str(tmp_path / "model"), "--params", str(tmp_path / "params.yaml")]
+    average.main(args)  # once first: the stage's imports (MLflow...) are read on its first run
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        _, read = bytes_read(lambda: average.main(args))
+    averaged = load_checkpoint(tmp_path / "model" / "model.pt")
+    assert averaged["steps"] == [3, 4, 6] and torch.equal(averaged["model"]["w"], torch.full((2**19,), 13 / 3))
+    assert 4 * size <= read < 4.2 * size, f"read {read / size:.2f} checkpoints' worth"  # 3 averaged + 1 corrupt
+    assert "step_00000005" in caplog.text and "step_00000002" not in caplog.text
