@@ -115,6 +115,7 @@ def time_training(s: Setup, data: TrainingData, ctx: distributed.Dist, steps: in
                   checkpoints: Path | None = None) -> dict:
     """Warm-up steps, then `steps` timed Trainer.step calls (eager and compiled: the same steps): tokens/s, FLOP/s,
     peak memory; with `checkpoints`, then the seconds Trainer.save takes."""
+    torch._dynamo.reset()  # each compiled run compiles afresh, in its warm-up: not another model's graphs
     t = trainer(s, data, ctx, compiled, checkpoints)
     for _ in range(WARMUP_STEPS):
         t.step(t.epoch_order())
