@@ -82,7 +82,7 @@ def tiny_params(data: dict, **train: int) -> dict:
     params["batch"]["max_tokens"] = 600
     params["model"].update(n_layers=2, d_model=64, d_ff=128, n_heads=4, d_k=16, d_v=16, dropout=0.0, max_positions=128)
     params["train"].update(devices=1, tokens_per_step=600, max_steps=500, max_minutes=0, warmup_steps=100,
-                           lr_factor=1.0, eval_every=100, log_every=50, checkpoint_minutes=0,
+                           lr_factor=1.0, eval_every=100, log_every=50,
                            checkpoint_every=50, keep_checkpoints=5)
     params["train"].update(train)
     params["average"]["last_n"] = 3

@@ -79,8 +79,8 @@ FULL = Plan(
         ("batch.max_tokens=200", "preset 3300: the micro-batch tokens, scaled down for 2 CPU cores"),
         ("train.tokens_per_step=1600", "preset 26400 = 3300 x 8: still one micro-batch per process on 8"),
         ("train.max_steps=10", "preset 100000: the number of steps, scaled down"),
-        ("train.checkpoint_every=2", "step-based checkpoints, so that average.last_n = 5 takes 5"),
-        ("train.checkpoint_minutes=0", "no time-based checkpoints: the same checkpoints on any machine"),
+        ("train.checkpoint_every=2", "preset 1389 (10 minutes of the paper's steps): scaled with the steps, so "
+                                     "that average.last_n = 5 takes 5"),
         ("model.dropout=0.0", "preset 0.1: dropout masks are drawn per process (train.seed + rank), so only "
                               "without dropout can 8 processes' weights equal 1 process's"),
     ],
@@ -96,7 +96,7 @@ SMALL = Plan(
         ("batch.max_tokens=200", "preset 3300: the micro-batch tokens, scaled down"),
         ("train.tokens_per_step=1600", "preset 26400 = 3300 x 8: still one micro-batch per process on 8"),
         ("train.max_steps=5", "preset 100000: the number of steps, scaled down"),
-        ("train.checkpoint_every=1", "step-based checkpoints, so that average.last_n = 5 takes 5"),
+        ("train.checkpoint_every=1", "preset 1389: scaled with the steps, so that average.last_n = 5 takes 5"),
         *FULL.overrides[4:],
     ],
     lines={"train": 1000, "valid": 20, "test": 40},

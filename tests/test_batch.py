@@ -132,7 +132,7 @@ def test_main_batches_train_and_valid_with_lengths_as_the_model_sees_them(tmp_pa
     train = tuple(L - 1 for L in random_lengths(rng, 3000, "correlated"))
     valid = (np.array([0, 3, 9]), np.array([0, 4, 2]))  # valid keeps empty lines: length 0, 1 with EOS
     write_tokenized(tmp_path / "tokenized", {"train": train, "valid": valid, "test": valid})
-    metrics = run_main(tmp_path, max_tokens=400, devices=2, tokens_per_step=2000, seed=5)  # 2 x 3 batches a step
+    metrics = run_main(tmp_path, max_tokens=400, devices=2, tokens_per_step=2200, seed=5)  # ceil(2200 / 400) = 6 a step
 
     for split, (src, tgt) in (("train", train), ("valid", valid)):
         batches = load_batches(tmp_path / "batches", split)
@@ -151,6 +151,9 @@ def test_main_batches_train_and_valid_with_lengths_as_the_model_sees_them(tmp_pa
                  for stat, f in (("mean", np.mean), ("min", min), ("max", max))}
     assert metrics == {**expected, "max_tokens": 400, "num_batches": len(train_batches), "batches_per_step": 6,
                        "valid_num_batches": 1, "valid_padding_efficiency": pytest.approx(24 / 45)}
+    # the number of processes does not change a step: the same report for 1 or 4 (which train would refuse)
+    for devices in (1, 4):
+        assert run_main(tmp_path, max_tokens=400, devices=devices, tokens_per_step=2200, seed=5) == metrics
 
 
 def test_main_fails_cleanly_when_a_pair_does_not_fit(tmp_path):

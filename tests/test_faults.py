@@ -106,7 +106,7 @@ def small_params(data: dict) -> dict:
     params["batch"]["max_tokens"] = 300
     params["model"].update(n_layers=1, d_model=16, d_ff=32, n_heads=2, d_k=8, d_v=8, dropout=0.0, max_positions=64)
     params["train"].update(devices=1, tokens_per_step=300, max_steps=4, max_minutes=0, warmup_steps=2, eval_every=2,
-                           log_every=2, checkpoint_minutes=0, checkpoint_every=2, keep_checkpoints=5)
+                           log_every=2, checkpoint_every=2, keep_checkpoints=5)
     params["average"]["last_n"] = 2
     params["translate"].update(beam_size=2, max_len_b=4, max_tokens=400)
     return params

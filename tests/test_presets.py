@@ -2,14 +2,20 @@
 
 import pytest
 
+import types
+
+import torch
+
 from pipeline.corpus import steps
-from pipeline.core.config import compose
+from pipeline.core.config import TrainConfig, compose, parse
+from pipeline.training.distributed import Dist
+from pipeline.training.trainer import Progress, Trainer
 
 def paper(n_heads: int, d_model: int, dropout: float, steps: int, last_n: int, tgt_lang: str, tokenize: dict) -> dict:
     """One preset's values from the paper (Sec. 3, Table 3 base and big; Sec. 5.1-5.4; Sec. 6.1): N = 6, d_k = d_v = 64, d_ff = 4 d_model, warmup 4000, eps_ls 0.1."""
     return {
         "model": dict(n_layers=6, d_model=d_model, d_ff=4 * d_model, n_heads=n_heads, d_k=64, d_v=64, dropout=dropout),
-        "train": dict(max_steps=steps, warmup_steps=4000, label_smoothing=0.1, checkpoint_minutes=10),
+        "train": dict(max_steps=steps, warmup_steps=4000, label_smoothing=0.1, ),
         "average": dict(last_n=last_n),
         "data": dict(src_lang="en", tgt_lang=tgt_lang),
         "tokenize": tokenize,
@@ -62,3 +68,36 @@ def test_averaging_window_fits_the_checkpoints_kept():
     for experiment in sorted(PAPER) + ["multi30k_small"]:
         params = compose([f"experiment={experiment}"])
         assert params["train"]["keep_checkpoints"] >= params["average"]["last_n"], experiment
+
+
+# Sec. 5.2 and 6.1: seconds a step on the paper's 8 P100s (12 hours / 100K steps, 3.5 days / 300K steps) and the
+# checkpoint interval; the averaged checkpoints are the last last_n, written at 10-minute intervals.
+PAPER_STEP_SECONDS = {"wmt14_en_de_base": 12 * 3600 / 100_000, "wmt14_en_de_big": 3.5 * 86400 / 300_000,
+                      "wmt14_en_fr_big": 3.5 * 86400 / 300_000}
+
+
+def saved_steps(train: TrainConfig, seconds_per_step: float) -> list[int]:
+    """The steps the Trainer checkpoints at (its own decide()), on a machine taking `seconds_per_step` a step."""
+    fake = types.SimpleNamespace(progress=Progress(), cfg=train, ctx=Dist(0, 1, 0, torch.device("cpu")),
+                                 stopped_by_time=False)
+    saved = []
+    for step in range(1, train.max_steps + 1):
+        fake.progress.step, fake.progress.elapsed_seconds = step, step * seconds_per_step
+        stop, due = Trainer.decide(fake)
+        if due or stop:
+            saved.append(step)
+    return saved
+
+
+@pytest.mark.parametrize("experiment", sorted(PAPER))
+def test_the_averaged_checkpoints_span_the_papers_last_minutes_on_any_hardware(experiment):
+    """Sec. 6.1: the last 5 (base) or 20 (big) checkpoints of 10-minute intervals: 40 or 190 minutes of the paper's
+    training. The same steps on the paper's P100s, on GPUs 8 times faster and on one 9 times slower."""
+    params = compose([f"experiment={experiment}"])
+    train, last_n = parse(params, "train", TrainConfig), params["average"]["last_n"]
+    paper_step = PAPER_STEP_SECONDS[experiment]
+    averaged = {speed: saved_steps(train, paper_step / speed)[-last_n:] for speed in (1.0, 8.0, 1 / 9)}
+    assert averaged[8.0] == averaged[1.0] == averaged[1 / 9]
+    first, last = averaged[1.0][0], averaged[1.0][-1]
+    assert last == train.max_steps and len(averaged[1.0]) == last_n
+    assert abs((last - first) * paper_step / 60 - (last_n - 1) * 10) <= 0.01 * (last_n - 1) * 10

@@ -25,6 +25,7 @@ from model.schedule import lrate
 from model.config import ModelConfig
 from model.transformer import Transformer
 from pipeline.training import distributed, peak
+from pipeline.training import trainer as trainer_lib
 from pipeline.corpus import steps
 from pipeline.core.files import write_json
 from stages import batch as batch_stage
@@ -155,12 +156,34 @@ def test_batches_frame_sentences_with_eos_and_bos_and_pad_the_rest(tmp_path):
     assert batch.src.shape[1] == max(len(src[r]) for r in rows) + 1
 
 
-def test_accumulation_keeps_tokens_per_step_whatever_the_devices():
-    assert steps.grad_accumulation(25000, 3125, 8) == 1
-    assert steps.grad_accumulation(25000, 3125, 1) == 8
-    assert steps.grad_accumulation(25000, 3125, 2) == 4
-    assert steps.grad_accumulation(25000, 3000, 8) == 2  # ceil: never fewer tokens than asked
-    assert steps.grad_accumulation(100, 2500, 1) == 1
+def test_a_step_holds_the_same_batches_on_every_world_that_can_share_them():
+    assert steps.batches_per_step(26400, 3300) == 8  # the paper presets: 8 batches of <= 3300 padded tokens
+    assert [steps.grad_accumulation(26400, 3300, world) for world in (1, 2, 4, 8)] == [8, 4, 2, 1]
+    assert steps.batches_per_step(25000, 3000) == 9  # ceil: never fewer tokens than asked
+    assert steps.batches_per_step(100, 2500) == 1
+
+
+@pytest.mark.parametrize("world, per_process, keep", [(3, 3, 2934), (6, 2, 2200), (7, 2, 1886), (16, 1, 1650)])
+def test_a_world_that_cannot_share_a_steps_batches_fails_naming_what_to_set(world, per_process, keep):
+    """3, 5, 6 or 7 GPUs, or 2 nodes x 8, with the presets' 8 batches a step: never a step of another size."""
+    with pytest.raises(ParamsError) as e:
+        steps.grad_accumulation(26400, 3300, world)
+    assert str(e.value) == (
+        f"{world} processes cannot share the 8 batches of a step (train.tokens_per_step 26400 / batch.max_tokens "
+        f"3300, rounded up) equally: run 1, 2, 4 or 8 processes in all, or keep {world} and set "
+        f"batch.max_tokens={keep} ({world} x {per_process} batches of <= {keep} tokens a step; docs/paper_scale.md, "
+        '"Tokens per step")')
+    assert world * per_process * keep >= 26400  # the suggested step holds at least the tokens asked
+
+
+def test_the_train_stage_refuses_a_world_that_cannot_share_a_step_before_starting_it(tmp_path):
+    write_corpus(tmp_path)  # batch.max_tokens 24, train.tokens_per_step 48: 2 batches a step
+    result = subprocess.run([sys.executable, "-m", "stages.train", *stage_args(tmp_path, write_params(
+        tmp_path / "params.yaml", devices=3))], cwd=ROOT, env=stage_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        "train: error: 3 processes cannot share the 2 batches of a step")
+    assert "LOCAL_RANK" not in result.stderr and not (tmp_path / "checkpoints").exists()
 
 
 def test_sharding_uses_every_batch_of_an_epoch_exactly_once():
@@ -280,19 +303,25 @@ def test_two_runs_of_the_same_params_give_identical_weights(tmp_path):
     assert all(torch.equal(finals[0][k], finals[1][k]) for k in finals[0])
 
 
-def test_the_wall_clock_safety_stop_is_recorded_and_clock_checkpoints_are_written(tmp_path):
+def test_the_wall_clock_safety_stop_is_recorded(tmp_path):
     write_corpus(tmp_path)
     # a safety stop far below one step: training stops after its first step, evaluates, saves, and says why
     metrics = run_stage(tmp_path, write_params(tmp_path / "params.yaml", max_steps=1000, max_minutes=1e-9,
                                                checkpoint_every=0, eval_every=0))
     assert metrics["steps"] == 1 and "valid_ppl" in metrics and metrics["stopped_by"] == "max_minutes"
     assert [p.name for p in complete_checkpoints(tmp_path / "checkpoints")] == ["step_00000001.pt"]
-    # checkpoint_minutes shorter than a step: a checkpoint after every step (keep 3)
-    metrics = run_stage(tmp_path, write_params(tmp_path / "params.yaml", max_steps=5, checkpoint_every=0,
-                                               checkpoint_minutes=1e-9, keep_checkpoints=3))
-    assert metrics["steps"] == 5 and metrics["stopped_by"] == "max_steps"
+
+
+@pytest.mark.parametrize("seconds_per_tick", [1e-6, 3600.0])
+def test_checkpoints_fall_on_the_same_steps_whatever_the_machines_speed(tmp_path, monkeypatch, seconds_per_tick):
+    """A clock that moves an hour at each reading (a very slow machine) or a microsecond: the same checkpoints,
+    so average takes the same steps on any hardware (Sec. 6.1's 10 minutes are converted to steps in the presets)."""
+    clock = iter(range(10**9))
+    monkeypatch.setattr(trainer_lib.time, "monotonic", lambda: next(clock) * seconds_per_tick)
+    write_corpus(tmp_path)
+    run_stage(tmp_path, write_params(tmp_path / "params.yaml", max_steps=7, checkpoint_every=3, eval_every=0))
     assert [p.name for p in complete_checkpoints(tmp_path / "checkpoints")] == [
-        "step_00000003.pt", "step_00000004.pt", "step_00000005.pt"]
+        "step_00000003.pt", "step_00000006.pt", "step_00000007.pt"]
 
 
 def test_resume_after_sigkill_ends_with_the_same_weights(tmp_path):

@@ -25,7 +25,7 @@ MODEL = dict(n_layers=2, d_model=16, d_ff=32, n_heads=2, d_k=8, d_v=8, dropout=0
              positional_encoding="sinusoidal", max_positions=64)
 TRAIN = dict(devices=1, tokens_per_step=48, max_steps=6, max_minutes=0, warmup_steps=4, lr_factor=1.0,
              adam_beta1=0.9, adam_beta2=0.98, adam_eps=1e-9, label_smoothing=0.1, eval_every=3, log_every=2,
-             checkpoint_minutes=0, checkpoint_every=2, keep_checkpoints=10, seed=1,
+             checkpoint_every=2, keep_checkpoints=10, seed=1,
              timeout_minutes=10, compile=False)
 
 

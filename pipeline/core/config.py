@@ -150,7 +150,6 @@ class TrainConfig:
     label_smoothing: float = field(metadata={"range": "[0, 1)"})
     eval_every: int = field(metadata={"range": "[0, inf)"})  # steps between validation runs; 0 = at the end only
     log_every: int = field(metadata={"range": "[1, inf)"})  # steps between logged training points
-    checkpoint_minutes: float = field(metadata={"range": "[0, inf)"})  # 0 = off
     checkpoint_every: int = field(metadata={"range": "[0, inf)"})  # steps; 0 = off
     keep_checkpoints: int = field(metadata={"range": "[1, inf)"})  # at least average.last_n (checked by load_all)
     seed: int = field(metadata=SEED)

@@ -1,10 +1,10 @@
 """How stored batches make optimizer steps: gradient accumulation, each epoch's order, each rank's share,
 and the real tokens a step holds.
 
-A step is train.devices x grad_accumulation() stored batches, taken in the epoch's
-shuffled order (the last step of an epoch takes what is left); rank r trains on
-every devices-th of them. numpy only: the batch stage uses it to report what the
-train stage will run, and the trainer to run it.
+A step is batches_per_step() stored batches, taken in the epoch's shuffled order
+(the last step of an epoch takes what is left), whatever the world size; rank r
+of a world of n processes trains on every n-th of them. The batch stage uses it
+to report what the train stage will run, and the trainer to run it.
 
 Sec. 5.1: "Each training batch contained a set of sentence pairs containing
 approximately 25000 source tokens and 25000 target tokens." Those are real
@@ -18,16 +18,39 @@ import math
 
 import numpy as np
 
+from pipeline.core.config import ParamsError
 
-def grad_accumulation(tokens_per_step: int, max_tokens: int, devices: int) -> int:
-    """Micro-batches per device per step: ceil(tokens_per_step / (max_tokens x devices)).
 
-    tokens_per_step is in batch.max_tokens' units (padded tokens): each of
-    `devices` processes accumulates this many batches before the update, so a
-    step holds as many batches however many devices run (users change only
-    train.devices; the accumulation follows).
+def batches_per_step(tokens_per_step: int, max_tokens: int) -> int:
+    """Stored batches an optimizer step takes: ceil(tokens_per_step / max_tokens), on any number of processes.
+
+    tokens_per_step is in batch.max_tokens' units (padded tokens). The world size
+    does not enter: 8 GPUs, 2 nodes of 4 or 1 GPU accumulating 8 train on the
+    same batches a step, so the step is what params say and the batch stage's
+    metrics hold for any world (grad_accumulation checks that the world can share it).
     """
-    return max(1, math.ceil(tokens_per_step / (max_tokens * devices)))
+    return max(1, math.ceil(tokens_per_step / max_tokens))
+
+
+def grad_accumulation(tokens_per_step: int, max_tokens: int, world: int) -> int:
+    """Micro-batches per process per step: batches_per_step() / world, which the world must divide.
+
+    A world that cannot share the step's batches equally (6 or 16 processes for 8
+    batches) would either train on a step of another size or leave processes
+    idle: it fails, naming the worlds that fit and the batch.max_tokens that keeps
+    the step's tokens on this one.
+    """
+    batches = batches_per_step(tokens_per_step, max_tokens)
+    if batches % world == 0:
+        return batches // world
+    fits = [n for n in range(1, batches + 1) if batches % n == 0]
+    per_process = math.ceil(batches / world)
+    keep = math.ceil(tokens_per_step / (world * per_process))
+    raise ParamsError(
+        f"{world} processes cannot share the {batches} batches of a step (train.tokens_per_step {tokens_per_step} / "
+        f"batch.max_tokens {max_tokens}, rounded up) equally: run {', '.join(map(str, fits[:-1]))} or {fits[-1]} "
+        f"processes in all, or keep {world} and set batch.max_tokens={keep} ({world} x {per_process} batches of "
+        f"<= {keep} tokens a step; docs/paper_scale.md, \"Tokens per step\")")
 
 
 def epoch_order(num_batches: int, seed: int, epoch: int) -> np.ndarray:

@@ -3,11 +3,12 @@
     trainer = Trainer(data, model_cfg, train_cfg, max_tokens, ctx, run, phash, checkpoints, plot)
     metrics = trainer.fit()            # or drive it: trainer.step(order), trainer.validate()
 
-Each step updates on world x grad_accumulation() stored batches
-(pipeline/corpus/steps.py): every one of the world's processes accumulates that many
-micro-batches, one stored batch each. Each epoch shuffles the batch order (seed
-+ epoch); a step takes the next world x accumulation batches of it and rank r
-the r-th of every world. The loss is summed over real target tokens and divided
+Each step updates on batches_per_step() stored batches, whatever the world size
+(pipeline/corpus/steps.py): each of the world's processes accumulates
+grad_accumulation() micro-batches, one stored batch each (a world that cannot
+share them equally fails at start). Each epoch shuffles the batch order (seed
++ epoch); a step takes the next batches_per_step of it and rank r the r-th of
+every world. The loss is summed over real target tokens and divided
 by the step's real target tokens over all ranks and micro-batches, so the update
 is that of one big batch.
 The real source and target tokens of every step are counted (metrics/train.json:
@@ -17,8 +18,8 @@ Stops at train.max_steps: the budget, so the same params give the same
 weights on any machine. train.max_minutes (across resumes) is only a safety
 stop: rank 0's clock decides for every rank, and metrics/train.json records
 stopped_by = "max_minutes" when it fired (else "max_steps").
-Checkpoints (pipeline/weights/checkpoint.py) every checkpoint_every steps and/or
-checkpoint_minutes, and at the end; on start the newest complete checkpoint
+Checkpoints (pipeline/weights/checkpoint.py) every checkpoint_every steps and at
+the end, never by the clock, so the checkpoints average takes are the same on any hardware; on start the newest complete checkpoint
 with the same params_hash and made by the same code (pipeline/weights/fingerprint.py:
 every project file train imports) is resumed exactly (weights, Adam, RNGs, data
 position, counters): an interrupted run ends with the same weights as an
@@ -74,11 +75,10 @@ log = logging.getLogger(__name__)
 PLOT_COLUMNS = ("step", "loss", "lr", "tokens_per_second", "valid_ppl")
 # Train params that do not change the weights of a given step: changing them
 # resumes the old run instead of restarting it (e.g. a larger max_steps continues).
-# devices: the step's batches (world x accumulation) count instead, see params_hash.
+# devices: a step's batches do not depend on it (pipeline/corpus/steps.py).
 # compile: the same function of the same weights, rounded otherwise (as on another GPU); a run that falls
 # back to eager (compiled.py) must resume its own checkpoints, and switching it should not cost the run.
-NOT_WEIGHT_SHAPING = ("max_steps", "max_minutes", "eval_every", "log_every", "checkpoint_minutes",
-                      "checkpoint_every", "keep_checkpoints", "devices", "timeout_minutes", "compile")
+NOT_WEIGHT_SHAPING = ("max_steps", "max_minutes", "eval_every", "log_every", "checkpoint_every", "keep_checkpoints", "devices", "timeout_minutes", "compile")
 TRACE_ENV = "STAGES_TRAIN_TRACE"
 
 
@@ -119,13 +119,12 @@ class Progress:
     code_changes: list = field(default_factory=list)  # [{"step", "files"}]: resumed across a code change
 
 
-def params_hash(model_cfg: ModelConfig, train_cfg: TrainConfig, max_tokens: int, world: int, tokenized: Path,
-                batches: Path) -> str:
+def params_hash(model_cfg: ModelConfig, train_cfg: TrainConfig, max_tokens: int, tokenized: Path, batches: Path) -> str:
     """sha256 of what shapes the weights: model, train (less NOT_WEIGHT_SHAPING), batch.max_tokens, the data,
-    and the stored batches per step (world x accumulation), which the world size alone does not change:
-    2 processes x 1 batch resume 1 process x 2 (and the reverse)."""
+    and the stored batches per step, which the world size does not change: 2 processes x 1 batch resume
+    1 process x 2 (and the reverse)."""
     train = {k: v for k, v in asdict(train_cfg).items() if k not in NOT_WEIGHT_SHAPING}
-    step_batches = world * steps.grad_accumulation(train_cfg.tokens_per_step, max_tokens, world)
+    step_batches = steps.batches_per_step(train_cfg.tokens_per_step, max_tokens)
     files = [p for p in (tokenized / "meta.json", tokenized / "spm.model", *batch_paths(batches, "train")) if p.exists()]
     return ckpt.fingerprint({"model": asdict(model_cfg), "train": train, "batch.max_tokens": max_tokens,
                              "batches_per_step": step_batches}, files)
@@ -273,7 +272,7 @@ class Trainer:
         return tuple(mine), n_micro, int(step_ids[0])
 
     def step(self, order: np.ndarray) -> tuple[Tensor, int, float]:
-        """Train on the next world x accumulation batches of `order`; (this rank's loss sum, its tokens, lr)."""
+        """Train on the next batches_per_step batches of `order`; (this rank's loss sum, its tokens, lr)."""
         p, ctx = self.progress, self.ctx
         step_ids = order[p.cursor : p.cursor + self.accum * ctx.world]
         p.cursor += len(step_ids)
@@ -320,12 +319,11 @@ class Trainer:
         self.run.log_metrics(p.valid, step=p.step)
         return p.valid
 
-    def decide(self, since_save: float) -> tuple[bool, bool]:
+    def decide(self) -> tuple[bool, bool]:
         """(stop, checkpoint now), decided by rank 0 for every rank: clocks differ between processes."""
         p, cfg = self.progress, self.cfg
         out_of_time = cfg.max_minutes > 0 and p.elapsed_seconds >= cfg.max_minutes * 60
-        due = (cfg.checkpoint_every > 0 and p.step % cfg.checkpoint_every == 0) or (
-            cfg.checkpoint_minutes > 0 and since_save >= cfg.checkpoint_minutes * 60)
+        due = cfg.checkpoint_every > 0 and p.step % cfg.checkpoint_every == 0
         done, out_of_time, due = distributed.broadcast_flags([p.step >= cfg.max_steps, out_of_time, due], self.ctx)
         if out_of_time and not done:
             if not self.stopped_by_time:
@@ -351,9 +349,9 @@ class Trainer:
             write_text(self.plot, plot_csv(p.plot_rows))  # on resume: the rows up to the checkpoint, no more
         interval = torch.zeros(2, dtype=torch.float64, device=ctx.device)  # loss sum, tokens since the last row
         interval_seconds, interval_tokens, saved_at = 0.0, 0, p.step
-        start, last_save = time.monotonic() - p.elapsed_seconds, time.monotonic()
+        start = time.monotonic() - p.elapsed_seconds
         bar = self.bar = progress_bar(total=cfg.max_steps, initial=p.step, disable=not ctx.is_main, unit="step", dynamic_ncols=True)
-        stop, _ = self.decide(0.0)
+        stop, _ = self.decide()
         while not stop:
             t0 = time.perf_counter()
             order = self.epoch_order()
@@ -366,7 +364,7 @@ class Trainer:
             interval_seconds, interval_tokens = interval_seconds + seconds, interval_tokens + p.train_tokens - tokens_before
             p.elapsed_seconds = time.monotonic() - start
             bar.update(1)
-            stop, due_save = self.decide(time.monotonic() - last_save)
+            stop, due_save = self.decide()
             evaluated = stop or (cfg.eval_every > 0 and p.step % cfg.eval_every == 0)
             if evaluated:
                 faults.inject("validation", p.step)  # tests only: TRANSFORMER_FAULT=validation@N kills the process here
@@ -384,7 +382,7 @@ class Trainer:
                 interval_seconds, interval_tokens = 0.0, 0
             if due_save or stop:
                 self.save()
-                saved_at, last_save = p.step, time.monotonic()
+                saved_at = p.step
             p.elapsed_seconds = time.monotonic() - start
         bar.close()
         if not p.valid:  # resumed at max_steps from a checkpoint written before any evaluation
