@@ -44,11 +44,14 @@ def start_node(root: Path, params: Path, node: int, port: int, nnodes: int = 2, 
     """One node's `torchrun ... -m stages.train` (one process), in its own session so that a test can kill it whole.
 
     Node 0 hosts the rendezvous store (is_host=1), as the node named by --rdzv_endpoint does on a cluster.
+    GLOO_SOCKET_IFNAME=lo: every "node" is on this machine, so rank 0's loopback address is reachable
+    (pipeline/training/distributed.py, check_reachable); a test may pass another value in `env`.
     """
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", "--nproc_per_node=1",
            "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=smoke",
            f"--rdzv_conf=is_host={int(node == 0)}", "--max_restarts=0", "-m", "stages.train", *stage_args(root, params)]
     out = open(log or root / f"node{node}.log", "a")  # noqa: SIM115 (the child holds it; a restart appends)
+    env = {"GLOO_SOCKET_IFNAME": "lo", **env}
     return subprocess.Popen(cmd, cwd=ROOT, env=stage_env(**env), stdout=out, stderr=subprocess.STDOUT,
                             start_new_session=True, preexec_fn=on_core(node))
 

@@ -60,13 +60,16 @@ def test_train_devices_counts_processes_per_node_and_only_the_start_waits_past_t
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     monkeypatch.setenv("RANK", "9")
     monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("MASTER_ADDR", "10.1.2.3")  # rank 0's node, reachable
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     monkeypatch.setattr(distributed.dist, "init_process_group", lambda backend, **kw: calls.update(init=(backend, kw)))
     monkeypatch.setattr(distributed.dist, "new_group", lambda **kw: calls.setdefault("groups", []).append(kw) or "gloo")
+    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
     ctx = distributed.setup(8, timeout_minutes=0.5)
     assert (ctx.rank, ctx.world, ctx.local_rank, ctx.device) == (9, 16, 1, torch.device("cuda", 1))
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"  # a timed-out collective raises, not kills
     backend, kw = calls["init"]
     assert backend == "nccl" and kw["timeout"] == datetime.timedelta(seconds=30)
     assert calls["groups"] == [{"backend": "gloo", "timeout": datetime.timedelta(minutes=distributed.STARTUP_MINUTES)},
@@ -81,7 +84,7 @@ def test_train_devices_counts_processes_per_node_and_only_the_start_waits_past_t
 def meet_late(rank: int, port: int, late_s: float) -> None:
     """One process of a 2-node run (timeout late_s / 3) whose rank 0 reaches check_same late, as after opening MLflow."""
     os.environ.update(WORLD_SIZE="2", LOCAL_WORLD_SIZE="1", RANK=str(rank), LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+                      MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")  # 2 "nodes" on this machine
     ctx = distributed.setup(1, timeout_minutes=late_s / 3 / 60)
     if ctx.is_main:
         time.sleep(late_s)
@@ -91,6 +94,57 @@ def meet_late(rank: int, port: int, late_s: float) -> None:
 
 def test_ranks_wait_for_a_slow_rank_0_at_the_start_longer_than_the_collective_timeout():
     torch.multiprocessing.spawn(meet_late, args=(free_port(), 6.0), nprocs=2)  # raises if a process failed
+
+
+def choose_precision(rank: int, port: int, out: str) -> None:
+    """One process of a 2-process run in which rank 1's GPU has no bf16 (fp16), rank 0's has; each writes what it hit."""
+    os.environ.update(WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    ctx = distributed.setup(2, timeout_minutes=0.5)
+    distributed.autocast_dtype = lambda device: torch.float16 if rank == 1 else torch.bfloat16
+    try:
+        distributed.mixed_precision(ctx)
+        said = "no error"
+    except distributed.DistributedError as e:
+        said = str(e)
+    Path(out, f"rank{rank}").write_text(said)
+    distributed.teardown(ctx)
+
+
+def test_ranks_that_chose_different_precisions_stop_naming_the_odd_one(tmp_path):
+    """Mixed GPUs (an A100 beside a V100) would average gradients of differently scaled losses: every rank stops."""
+    torch.multiprocessing.spawn(choose_precision, args=(free_port(), str(tmp_path)), nprocs=2)
+    host = os.uname().nodename
+    expected = (f"training precision differs from rank 0's (bf16 autocast on {host}) on rank 1 on {host} (fp16 "
+                "autocast with a gradient scaler): every process of a run must train in the same precision: run it "
+                "on GPUs of one kind (bf16 on compute capability 8.0 and newer, fp16 on 7.x, fp32 before)")
+    assert [(tmp_path / f"rank{r}").read_text() for r in range(2)] == [expected, expected]
+
+
+def test_a_multi_node_run_whose_rank_0_address_is_loopback_fails_at_once_saying_what_to_set(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "16")  # 2 nodes x 8
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.setenv("MASTER_ADDR", "localhost")  # a host name that /etc/hosts maps to 127.0.x.x
+    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(distributed.dist, "init_process_group", lambda *a, **kw: pytest.fail("joined the group"))
+    with pytest.raises(distributed.DistributedError, match=r"rank 0's address localhost resolves to 127\.0\.\d+\.\d+, a "
+                       r"loopback address, on a run of 2 nodes: .*--local_addr=.*NCCL_SOCKET_IFNAME and "
+                       r"GLOO_SOCKET_IFNAME"):
+        distributed.setup(8, timeout_minutes=0.5)
+
+
+def test_a_real_two_node_run_over_a_loopback_address_stops_both_nodes_with_that_line(tmp_path, store):
+    write_corpus(tmp_path)
+    write_params(tmp_path / "params.yaml", max_steps=2, timeout_minutes=0.5)
+    started = time.monotonic()
+    nodes = start_two_nodes((tmp_path, tmp_path), (tmp_path / "params.yaml",) * 2, MLFLOW_TRACKING_URI=store,
+                            GLOO_SOCKET_IFNAME="")
+    assert [p.wait(timeout=120) for p in nodes] == [1, 1] and time.monotonic() - started < 60
+    for node in range(2):
+        lines = (tmp_path / f"node{node}.log").read_text().strip().splitlines()
+        assert any(line.startswith("train: error: rank 0's address ") and "loopback" in line for line in lines), lines
+    assert not (tmp_path / "checkpoints").exists()
 
 
 @pytest.mark.parametrize("capability, dtype", [((9, 0), torch.bfloat16), ((8, 0), torch.bfloat16),

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import ipaddress
 import logging
 import os
+import socket
 import sys
 from dataclasses import dataclass
 
@@ -33,6 +35,9 @@ class DistributedError(PipelineError):
 
 
 STARTUP_MINUTES = 30.0  # how long ranks wait for each other to start (check_same)
+SAME_RUN = "every node must run the same commit with the same params.yaml, data/tokenized and data/batches"
+PRECISIONS = {torch.bfloat16: "bf16 autocast", torch.float16: "fp16 autocast with a gradient scaler",
+              torch.float32: "fp32"}
 
 
 @dataclass(frozen=True)
@@ -94,6 +99,12 @@ def setup(devices: int, timeout_minutes: float) -> Dist:
         backend = "gloo"
     host_group = startup_group = None
     if world > 1:
+        if world > local_world:
+            check_reachable(os.environ.get("MASTER_ADDR", ""), world // local_world)
+        # A collective that outlives the timeout: NCCL's watchdog aborts the communicator and the waiting call
+        # raises (2 = clean up only), so the stage ends with its one-line error (lost_peers) instead of the
+        # watchdog killing the process mid-write (3, torch's default). A user's own setting is kept.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         timeout = datetime.timedelta(minutes=timeout_minutes)
         dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
         # A group's timeout bounds every wait in it, the other ranks' side of a barrier included: waiting for
@@ -102,6 +113,28 @@ def setup(devices: int, timeout_minutes: float) -> Dist:
         if backend == "nccl":
             host_group = dist.new_group(backend="gloo", timeout=timeout)
     return Dist(rank, world, local_rank, device, host_group, startup_group)
+
+
+def check_reachable(master_addr: str, nodes: int) -> None:
+    """On several nodes, rank 0's address (torchrun's --local_addr, else its host name) must reach the other nodes.
+
+    A host name that resolves to a loopback address (127.0.1.1 in Debian's /etc/hosts) would have every node
+    wait for itself until the timeout. Setting GLOO_SOCKET_IFNAME (or NCCL_SOCKET_IFNAME) to lo says that every
+    "node" runs on this one machine (tests/multinode_smoke.py).
+    """
+    if "lo" in (os.environ.get("GLOO_SOCKET_IFNAME"), os.environ.get("NCCL_SOCKET_IFNAME")):
+        return
+    try:
+        address = ipaddress.ip_address(socket.gethostbyname(master_addr))
+    except (OSError, ValueError):
+        return  # unresolvable: the process group's own error names it
+    if address.is_loopback:
+        raise DistributedError(
+            f"rank 0's address {master_addr} resolves to {address}, a loopback address, on a run of {nodes} nodes: "
+            "the other nodes cannot reach it; start torchrun on every node with --local_addr=<an address of this "
+            "node the others reach> (or map its host name to that address), and set NCCL_SOCKET_IFNAME and "
+            "GLOO_SOCKET_IFNAME to the network interface the nodes share, e.g. eth0 (docs/multi_node.md, "
+            '"Network interfaces")')
 
 
 def launched_by_torchrun() -> bool:
@@ -175,17 +208,18 @@ def gather_objects(obj: object, ctx: Dist) -> list:
     return out
 
 
-def check_same(value: str, what: str, ctx: Dist) -> None:
-    """Wait for every rank to start, then fail on every rank, naming the ranks and hosts, unless all hold the same
-    `value` (e.g. a params hash). The wait allows STARTUP_MINUTES (rank 0 alone opens MLflow first), or
-    train.timeout_minutes if longer (ctx.startup_group): a short collective timeout need not cover a slow start."""
+def check_same(value: str, what: str, ctx: Dist, remedy: str = SAME_RUN, shown: bool = False) -> None:
+    """Wait for every rank to start, then fail on every rank, naming the ranks and hosts (and their values, if
+    `shown`), unless all hold the same `value` (e.g. a params hash). The wait allows STARTUP_MINUTES (rank 0 alone
+    opens MLflow first), or train.timeout_minutes if longer (ctx.startup_group): a short collective timeout need not
+    cover a slow start."""
     if ctx.world > 1:
         dist.monitored_barrier(ctx.startup_group, wait_all_ranks=True)
     seen = gather_objects((value, os.uname().nodename), ctx)
-    odd = [f"rank {r} on {host}" for r, (v, host) in enumerate(seen) if v != seen[0][0]]
+    odd = [f"rank {r} on {host}" + (f" ({v})" if shown else "") for r, (v, host) in enumerate(seen) if v != seen[0][0]]
     if odd:
-        raise DistributedError(f"{what} differs from rank 0's ({seen[0][1]}) on {', '.join(odd)}: every node must run "
-                         "the same commit with the same params.yaml, data/tokenized and data/batches")
+        first = f"{seen[0][0]} on {seen[0][1]}" if shown else seen[0][1]
+        raise DistributedError(f"{what} differs from rank 0's ({first}) on {', '.join(odd)}: {remedy}")
 
 
 def lost_peers(error: BaseException, ctx: Dist) -> bool:
@@ -193,13 +227,17 @@ def lost_peers(error: BaseException, ctx: Dist) -> bool:
     return ctx.world > 1 and (isinstance(error, dist.DistError) or "gloo" in str(error))
 
 
-def mixed_precision(device: torch.device) -> tuple[contextlib.AbstractContextManager, torch.amp.GradScaler]:
-    """The autocast context and gradient scaler of training on `device` (autocast_dtype; the scaler for fp16 only), logged."""
+def mixed_precision(ctx: Dist) -> tuple[contextlib.AbstractContextManager, torch.amp.GradScaler]:
+    """The autocast context and gradient scaler of training on ctx.device (autocast_dtype; the scaler for fp16 only),
+    logged, and the same on every rank: a world of mixed GPUs would average gradients of differently scaled losses."""
+    device = ctx.device
     dtype = autocast_dtype(device)
     where = (f" ({torch.cuda.get_device_name(device)}, compute capability "
              f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))})" if device.type == "cuda" else "")
-    log.info("precision: %s%s", {torch.bfloat16: "bf16 autocast", torch.float16: "fp16 autocast with a gradient scaler "
-             "(no bf16 on this GPU)", torch.float32: "fp32"}[dtype], where)
+    log.info("precision: %s%s%s", PRECISIONS[dtype], " (no bf16 on this GPU)" if dtype == torch.float16 else "", where)
+    check_same(PRECISIONS[dtype], "training precision", ctx, shown=True,
+               remedy="every process of a run must train in the same precision: run it on GPUs of one kind (bf16 on "
+                      "compute capability 8.0 and newer, fp16 on 7.x, fp32 before)")
     autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
     return autocast, torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
 
