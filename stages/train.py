@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
         if not distributed.lost_peers(e, ctx):
             raise
         raise distributed.DistributedError(
-            f"rank {ctx.rank} of {ctx.world}: lost the other processes ({e}); a node died, froze or was slower than "
+            f"rank {ctx.rank} of {ctx.world}: {distributed.LOST_PEERS} ({e}); a node died, froze or was slower than "
             f"train.timeout_minutes = {cfg.timeout_minutes:g}. Restart every node: training resumes from the newest "
             f"checkpoint in {args.checkpoints}") from e
     finally:

@@ -171,8 +171,8 @@ def test_a_world_that_cannot_share_a_steps_batches_fails_naming_what_to_set(worl
     assert str(e.value) == (
         f"{world} processes cannot share the 8 batches of a step (train.tokens_per_step 26400 / batch.max_tokens "
         f"3300, rounded up) equally: run 1, 2, 4 or 8 processes in all, or keep {world} and set "
-        f"batch.max_tokens={keep} ({world} x {per_process} batches of <= {keep} tokens a step; docs/paper_scale.md, "
-        '"Tokens per step")')
+        f"batch.max_tokens={keep} ({world} x {per_process} batches of <= {keep} tokens a step; "
+        'docs/paper_scale.md, "Tokens per step")')
     assert world * per_process * keep >= 26400  # the suggested step holds at least the tokens asked
 
 

@@ -50,7 +50,7 @@ def grad_accumulation(tokens_per_step: int, max_tokens: int, world: int) -> int:
         f"{world} processes cannot share the {batches} batches of a step (train.tokens_per_step {tokens_per_step} / "
         f"batch.max_tokens {max_tokens}, rounded up) equally: run {', '.join(map(str, fits[:-1]))} or {fits[-1]} "
         f"processes in all, or keep {world} and set batch.max_tokens={keep} ({world} x {per_process} batches of "
-        f"<= {keep} tokens a step; docs/paper_scale.md, \"Tokens per step\")")
+        f'<= {keep} tokens a step; docs/paper_scale.md, "Tokens per step")')
 
 
 def epoch_order(num_batches: int, seed: int, epoch: int) -> np.ndarray:

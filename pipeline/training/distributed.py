@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from pipeline.core import cli
 from pipeline.core.config import ParamsError
 from pipeline.core.errors import PipelineError
 
@@ -35,6 +36,7 @@ class DistributedError(PipelineError):
 
 
 STARTUP_MINUTES = 30.0  # how long ranks wait for each other to start (check_same)
+LOST_PEERS = "lost the other processes"  # the line of a rank that failed because another did (stages/train.py)
 SAME_RUN = "every node must run the same commit with the same params.yaml, data/tokenized and data/batches"
 PRECISIONS = {torch.bfloat16: "bf16 autocast", torch.float16: "fp16 autocast with a gradient scaler",
               torch.float32: "fp32"}
@@ -133,8 +135,8 @@ def check_reachable(master_addr: str, nodes: int) -> None:
             f"rank 0's address {master_addr} resolves to {address}, a loopback address, on a run of {nodes} nodes: "
             "the other nodes cannot reach it; start torchrun on every node with --local_addr=<an address of this "
             "node the others reach> (or map its host name to that address), and set NCCL_SOCKET_IFNAME and "
-            "GLOO_SOCKET_IFNAME to the network interface the nodes share, e.g. eth0 (docs/multi_node.md, "
-            '"Network interfaces")')
+            "GLOO_SOCKET_IFNAME to the network interface the nodes share, e.g. eth0 "
+            '(docs/multi_node.md, "Network interfaces")')
 
 
 def launched_by_torchrun() -> bool:
@@ -158,15 +160,26 @@ def launch(devices: int, module: str, args: list[str]) -> None:
     try:
         run(parse_args(["--standalone", f"--nproc_per_node={devices}", "-m", module, *args]))
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
+        rank, failure = cause(e)
         line = failure.error_file_data.get("message")
+        status = failure.exitcode if failure.exitcode > 0 else 1
         if not isinstance(line, str):  # no line recorded: a crash, with its traceback above
             how = f"was killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exited with {failure.exitcode}"
             line = f"{module.rsplit('.', 1)[-1]}: error: process {rank} of {devices} {how}; its output is above"
+        elif failure.exitcode <= 0:  # its line recorded, then stopped by torchrun with the others: the line's status
+            status = cli.EXIT_INTERRUPTED if line.split(": ", 2)[1:2] == ["interrupted"] else cli.EXIT_ERROR
         print(line, file=sys.stderr, flush=True)
-        sys.exit(failure.exitcode if failure.exitcode > 0 else 1)
+        sys.exit(status)
     except SignalException as e:  # Ctrl-C or a kill: each process says where it stopped
         sys.exit(128 + e.sigval)
+
+
+def cause(error) -> tuple[int, object]:
+    """The rank whose failure ended the run and its ProcessFailure: the first to fail, unless it failed only because
+    another had (LOST_PEERS: its connection closed, which may be recorded before the failing rank's own line)."""
+    failures = sorted(error.failures.items(), key=lambda item: item[1].timestamp)
+    own = [(rank, f) for rank, f in failures if LOST_PEERS not in str(f.error_file_data.get("message", ""))]
+    return (own or failures)[0]
 
 
 def teardown(ctx: Dist) -> None:
