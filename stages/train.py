@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     ctx = distributed.setup(cfg.devices, cfg.timeout_minutes)
     cli.setup_logging(logging.INFO if ctx.is_main else logging.WARNING)
+    trainer = None
     try:
         with tracking.stage_run("train", args, enabled=ctx.is_main) as run:
             data = TrainingData.load(args.tokenized, args.batches)
@@ -80,6 +81,8 @@ def main(argv: list[str] | None = None) -> None:
             f"train.timeout_minutes = {cfg.timeout_minutes:g}. Restart every node: training resumes from the newest "
             f"checkpoint in {args.checkpoints}") from e
     finally:
+        if trainer is not None:
+            trainer.close()
         distributed.teardown(ctx)
 
 

@@ -39,6 +39,7 @@ trained on and a checksum of its parameters to DIR/rank<r>.jsonl (tests).
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import math
@@ -208,6 +209,13 @@ class Trainer:
         run.log_params({"model": asdict(model_cfg), "train": asdict(cfg), "batch.max_tokens": max_tokens,
                         "grad_accum": self.accum, "device": self.peak.device, "params_hash": phash,
                         "code_hash": self.code_hash})
+
+    def close(self) -> None:
+        """Drop DDP before the process group ends (distributed.teardown): its reducer holds the group, and a group
+        ended by the reducer's destructor joins the group's threads while holding the interpreter lock, which one of
+        them may be waiting for (a gloo rank hung at exit so)."""
+        self.loss_model = None
+        gc.collect()
 
     def resume(self) -> Progress:
         """Load the newest matching checkpoint (rank 0 reads it and sends it to every rank), else start afresh."""
