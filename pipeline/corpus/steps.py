@@ -69,7 +69,7 @@ def next_step(order: np.ndarray, cursor: int, epoch: int, batches_per_step: int,
 def rank_share(step_batches: np.ndarray, rank: int, world: int) -> tuple[list[int], int]:
     """This rank's batches of one step (every world-th, from `rank`) and the micro-batch count all ranks run.
 
-    At an epoch's tail the step holds fewer than world x accumulation batches;
+    At an epoch's tail the step holds fewer than batches_per_step() batches;
     ranks left short run zero-weighted micro-batches so every rank joins every
     gradient all-reduce.
     """
