@@ -23,6 +23,9 @@ Interactive / piped use, same model, search and params:
 reads raw sentences from stdin, one per line, and prints one translation per
 line, flushed batch by batch: lines that arrive together (a pipe, a file) are
 translated together; lines typed one at a time are answered one at a time.
+Stdin is read as the corpus files are (strict UTF-8; a BOM and CRLF line ends
+accepted): a line that is not UTF-8 stops the stage with an error naming it,
+after the lines before it have been translated and printed.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from model.transformer import Transformer
 from pipeline.core import cli, config, tracking
 from pipeline.weights.checkpoint import load_model
 from pipeline.core.config import ParamsError, TranslateConfig
+from pipeline.corpus.rawtext import decode_line
 from pipeline.corpus.formats import BOS_ID, DECODED_SPLITS, EOS_ID, PAD_ID, load_spm, load_split, read_meta
 from pipeline.core.files import InputError, atomic_dir, count_lines, write_text
 
@@ -162,8 +166,12 @@ def translate_split(model: Transformer, sp: spm.SentencePieceProcessor, tokenize
 
 
 def stdin_batches(fd: int, max_lines: int) -> Iterator[list[str]]:
-    """Lines from `fd` in groups: all that have arrived (up to max_lines), so typed lines come back one by one."""
-    pending, lines, eof = b"", [], False
+    """Lines from `fd` in groups: all that have arrived (up to max_lines), so typed lines come back one by one.
+
+    Lines are read as files are (rawtext.decode_line: strict UTF-8, a BOM and "\\r\\n" accepted); a line that is
+    not UTF-8 raises InputError naming it, once the lines before it have been yielded (and translated).
+    """
+    pending, lines, eof, n = b"", [], False, 0
     while not eof:
         chunk = os.read(fd, 1 << 16)
         eof = not chunk
@@ -171,7 +179,18 @@ def stdin_batches(fd: int, max_lines: int) -> Iterator[list[str]]:
         lines += complete + ([pending] if eof and pending else [])
         waiting = not eof and select.select([fd], [], [], 0)[0]
         if lines and (len(lines) >= max_lines or not waiting):
-            yield [line.decode("utf-8", errors="replace").rstrip("\r") for line in lines]
+            batch, error = [], None
+            for raw in lines:
+                n += 1
+                try:
+                    batch.append(decode_line(raw, first=n == 1))
+                except ValueError as e:
+                    error = InputError(f"standard input, line {n}: {e}")
+                    break
+            if batch:
+                yield batch
+            if error:
+                raise error
             lines = []
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import codecs
+import os
 import select
 import subprocess
 import sys
@@ -13,6 +15,8 @@ import torch
 
 from stages import translate
 from pipeline.core.config import TranslateConfig
+from pipeline.core.files import InputError
+from pipeline.corpus import rawtext
 from pipeline.weights.checkpoint import load_model
 from pipeline.corpus.formats import load_spm, load_split
 from tests.translation_fixtures import TEST_EN, TRANSLATE, VALID_EN, make_corpus, save_model, write_params
@@ -162,3 +166,49 @@ def test_stdin_mode_answers_each_line_before_the_next_arrives(tmp_path, setup):
     finally:
         proc.kill()
     assert all(a.endswith("\n") for a in answers)
+
+
+def stdin_translations(setup, lines: list[str]) -> list[str]:
+    """What the --stdin mode should print for clean `lines`: each translated alone."""
+    _, tokenized, model_dir = setup
+    sp = load_spm(tokenized, load_model(model_dir, torch.device("cpu")).embedding.num_embeddings)
+    return one_at_a_time(model_dir, tokenized, [np.array(ids) for ids in sp.encode(lines)])
+
+
+def test_invalid_utf8_on_stdin_stops_after_translating_the_lines_before_it(tmp_path, setup):
+    """Issue 27: the bad line arrives in the same group as a good one; the good one is still printed and flushed."""
+    piped = b"A man rides a bike.\n\xff\xfe caf\xe9 bad bytes\nA girl.\n"
+    done = subprocess.run(stdin_command(tmp_path, setup), input=piped, cwd=ROOT, capture_output=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stdout.decode() == stdin_translations(setup, ["A man rides a bike."])[0] + "\n"
+    assert done.stderr.decode().splitlines()[-1] == (
+        r"translate: error: standard input, line 2: invalid UTF-8 at byte 0 (invalid start byte): "
+        r"b'\xff\xfe caf\xe9 bad bytes'")
+
+
+def test_invalid_utf8_on_stdin_is_named_by_its_line_counted_across_groups():
+    read, write = os.pipe()
+    with os.fdopen(write, "wb", buffering=0) as w, os.fdopen(read, "rb") as r:
+        batches = translate.stdin_batches(r.fileno(), max_lines=13)
+        w.write(b"A man rides a bike.\n")
+        assert next(batches) == ["A man rides a bike."]
+        w.write(b"Two dogs.\n\xe9t\xe9\r\nA girl.\n")  # one group: the line before the bad one comes first
+        assert next(batches) == ["Two dogs."]
+        with pytest.raises(InputError, match=r"^standard input, line 3: invalid UTF-8 at byte 0 \(invalid continuation "
+                                             r"byte\): b'\\xe9t\\xe9'$"):
+            next(batches)
+
+
+def test_a_bom_and_crlf_on_stdin_are_read_as_in_files_and_translated_like_clean_input(tmp_path, setup):
+    clean = ["A man rides a bike.", "A girl."]
+    piped = codecs.BOM_UTF8 + b"".join(line.encode() + b"\r\n" for line in clean)
+    (tmp_path / "file.en").write_bytes(piped)
+    assert list(rawtext.read_raw_lines(tmp_path / "file.en", False, "file.en")) == clean
+    read, write = os.pipe()
+    with os.fdopen(write, "wb") as w:
+        w.write(piped)
+    with os.fdopen(read, "rb") as r:
+        assert list(translate.stdin_batches(r.fileno(), max_lines=13)) == [clean]
+    done = subprocess.run(stdin_command(tmp_path, setup), input=piped, cwd=ROOT, capture_output=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.decode().split("\n") == stdin_translations(setup, clean) + [""]

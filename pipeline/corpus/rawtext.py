@@ -1,6 +1,7 @@
 """Reading the downloaded corpus files: strict UTF-8 lines, and the segments of WMT SGML files.
 
     lines = read_raw_lines(path, gz, label)     # lazily, without BOM or line endings; errors name `label` and the line
+    text = decode_line(raw, first)              # one line by the same rule (stages.translate --stdin)
     segments = read_sgm(lines, label)           # [Segment(docid, segid, text)], as sacrebleu reads them
     check_segments(src, ref, src_label, ref_label)   # the two sides hold the same segments in the same order
 
@@ -31,20 +32,30 @@ class Segment:
     text: str
 
 
+def decode_line(raw: bytes, first: bool = False) -> str:
+    """One line of strict UTF-8 text, without its "\\n" or "\\r\\n" ending (and, if `first`, a BOM). Invalid UTF-8
+    raises ValueError `invalid UTF-8 at byte <i> (<reason>): <the bytes around it>`, which callers prefix with
+    the file (or stream) and line: the one rule for every text the pipeline reads line by line."""
+    raw = raw.removesuffix(b"\n").removesuffix(b"\r")
+    if first:
+        raw = raw.removeprefix(codecs.BOM_UTF8)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        bad = raw[max(0, e.start - 20) : e.end + 20]
+        raise ValueError(f"invalid UTF-8 at byte {e.start} ({e.reason}): {bad!r}") from None
+
+
 def read_raw_lines(path: Path, gz: bool, label: str) -> Iterator[str]:
     """Lines of a strict UTF-8 file (gunzipped if `gz`), without BOM or "\\n"/"\\r\\n" endings."""
     try:
         with io.BufferedReader(gzip.open(path, "rb"), CHUNK) if gz else open(path, "rb", CHUNK) as f:
             for n, raw in enumerate(f, 1):
-                raw = raw.removesuffix(b"\n").removesuffix(b"\r")
-                if n == 1:
-                    raw = raw.removeprefix(codecs.BOM_UTF8)
                 try:
-                    yield raw.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    bad = raw[max(0, e.start - 20) : e.end + 20]
-                    message = f"{label}: line {n}: invalid UTF-8 at byte {e.start} ({e.reason}): {bad!r}"
-                    raise DownloadError(message) from None
+                    line = decode_line(raw, first=n == 1)
+                except ValueError as e:
+                    raise DownloadError(f"{label}: line {n}: {e}") from None
+                yield line
     except (gzip.BadGzipFile, EOFError, zlib.error) as e:
         raise DownloadError(f"{label}: corrupt or truncated gzip: {e}") from None
 
