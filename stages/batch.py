@@ -12,7 +12,9 @@ efficiency that gives: pipeline/corpus/batching.py.
 metrics/batch.json: padding_efficiency of the train batches (both sides) and
 src_/tgt_padding_efficiency; num_batches; {src,tgt}_tokens_per_batch_{mean,min,max}
 (real tokens of a train batch, with EOS / BOS); sentences_per_batch_mean;
-valid_num_batches, valid_padding_efficiency; max_tokens; batches_per_step
+num_shapes: the distinct padded (rows, source length, target length) of the train
+batches, what a GPU pays per-shape setup for (batch.length_bucket_step bounds it);
+valid_num_batches, valid_padding_efficiency, valid_num_shapes; max_tokens; batches_per_step
 (ceil(train.tokens_per_step / max_tokens), on any number of processes) and
 {src,tgt}_tokens_per_step_{mean,min,max}: the real tokens of each optimizer step
 of the first epoch, in the order the train stage takes them (its
@@ -57,13 +59,13 @@ def write_batches(tokenized: Path, out: Path, metrics_path: Path, cfg: BatchConf
     with atomic_dir(out) as tmp:
         for split in BATCHED_SPLITS:
             S, T = lengths[split]
-            batches = make_batches(S, T, cfg.max_tokens, cfg.seed, split)
+            batches = make_batches(S, T, cfg.max_tokens, cfg.seed, split, cfg.length_bucket_step)
             index_path, bounds_path = batch_paths(tmp, split)
             np.save(index_path, batches.values)
             np.save(bounds_path, batches.offsets)
-            stats = padding_stats(S, T, batches)  # empty for an empty split
-            log.info("%s: %d pairs in %d batches, padding efficiency %s", split, len(S), len(batches),
-                     stats.get("padding_efficiency"))
+            stats = padding_stats(S, T, batches, cfg.length_bucket_step)  # empty for an empty split
+            log.info("%s: %d pairs in %d batches of %s distinct shapes, padding efficiency %s", split, len(S),
+                     len(batches), stats.get("num_shapes"), stats.get("padding_efficiency"))
             if split == "train":
                 metrics |= stats | {"num_batches": len(batches)}
                 metrics |= step_stats(S, T, batches, batches_per_step, seed)
@@ -73,6 +75,7 @@ def write_batches(tokenized: Path, out: Path, metrics_path: Path, cfg: BatchConf
                 metrics[f"{split}_num_batches"] = len(batches)
                 if stats:
                     metrics[f"{split}_padding_efficiency"] = stats["padding_efficiency"]
+                    metrics[f"{split}_num_shapes"] = stats["num_shapes"]
         write_json(metrics_path, metrics)  # inside atomic_dir: a failure here keeps the old batches too
     return metrics
 

@@ -33,7 +33,6 @@ import sys
 
 from model.config import ModelConfig
 from pipeline.core import cli, config, tracking
-from pipeline.corpus import steps
 from pipeline.training import distributed
 from pipeline.core.config import BatchConfig, TrainConfig
 from pipeline.core.files import write_json
@@ -48,10 +47,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     model_cfg = config.load(args.params, "model", ModelConfig)
     cfg = config.load(args.params, "train", TrainConfig)
-    max_tokens = config.load(args.params, "batch", BatchConfig).max_tokens
+    batch = config.load(args.params, "batch", BatchConfig)
+    max_tokens = batch.max_tokens
     if cfg.devices > 1 and not distributed.launched_by_torchrun():
         TrainingData.load(args.tokenized, args.batches)  # a missing input fails here, before any process starts
-        steps.grad_accumulation(cfg.tokens_per_step, max_tokens, cfg.devices)  # and a world that cannot share a step
         distributed.launch(cfg.devices, "stages.train", sys.argv[1:] if argv is None else argv)
         return
     ctx = distributed.setup(cfg.devices, cfg.timeout_minutes)
@@ -59,8 +58,8 @@ def main(argv: list[str] | None = None) -> None:
     trainer = None
     try:
         with tracking.stage_run("train", args, enabled=ctx.is_main) as run:
-            data = TrainingData.load(args.tokenized, args.batches)
-            phash = params_hash(model_cfg, cfg, max_tokens, args.tokenized, args.batches)
+            data = TrainingData.load(args.tokenized, args.batches, batch.length_bucket_step)
+            phash = params_hash(model_cfg, cfg, batch, args.tokenized, args.batches)
             distributed.check_same(phash, "params_hash (model, train, batch.max_tokens and the data)", ctx)
             trainer = Trainer(data, model_cfg, cfg, max_tokens, ctx, run, phash, args.checkpoints, args.plot)
             try:

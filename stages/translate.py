@@ -51,6 +51,7 @@ from pipeline.progress import progress_bar
 from model.beam_search import Hypothesis, beam_search
 from model.transformer import Transformer
 from pipeline.core import cli, config, tracking
+from pipeline.training import attention
 from pipeline.weights.checkpoint import load_model
 from pipeline.core.config import ParamsError, TranslateConfig
 from pipeline.corpus.rawtext import decode_line
@@ -221,6 +222,7 @@ def main(argv: list[str] | None = None) -> None:
     if "OMP_NUM_THREADS" not in os.environ:  # an explicit setting wins
         torch.set_num_threads(os.cpu_count() or 1)
     model = load_model(args.model, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    log.info("attention: %s", attention.use(model.embedding.weight.device))  # the kernels training chose, on CUDA
     sp = load_spm(args.tokenized, model.embedding.num_embeddings)
     if args.stdin:
         translate_stdin(model, sp, cfg)

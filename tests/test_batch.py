@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from stages import batch
-from pipeline.corpus.batching import fill, make_batches, padding_stats
+from pipeline.corpus.batching import bucket_grid, fill, make_batches, padded, padding_stats, shapes
 from pipeline.corpus.formats import ID_DTYPE, OFFSET_DTYPE, Ragged, load_batches, split_paths
 from tests.train_fixtures import TRAIN
 from tests.translation_fixtures import shared_store, store  # noqa: F401 (fixtures: one MLflow store per module)
@@ -150,8 +150,8 @@ def test_main_batches_train_and_valid_with_lengths_as_the_model_sees_them(tmp_pa
     expected |= {f"{side}_tokens_per_step_{stat}": f(per_step[side]) for side in per_step
                  for stat, f in (("mean", np.mean), ("min", min), ("max", max))}
     assert metrics == {**expected, "max_tokens": 400, "num_batches": len(train_batches), "batches_per_step": 6,
-                       "valid_num_batches": 1, "valid_padding_efficiency": pytest.approx(24 / 45)}
-    # the number of processes does not change a step: the same report for 1 or 4 (which train would refuse)
+                       "valid_num_batches": 1, "valid_padding_efficiency": pytest.approx(24 / 45), "valid_num_shapes": 1}
+    # the number of processes does not change a step: the same report for 1 or 4
     for devices in (1, 4):
         assert run_main(tmp_path, max_tokens=400, devices=devices, tokens_per_step=2200, seed=5) == metrics
 
@@ -166,3 +166,46 @@ def test_main_fails_cleanly_when_a_pair_does_not_fit(tmp_path):
     assert [p.name for p in (tmp_path / "batches").iterdir()] == ["previous"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
     assert not (tmp_path / "batch.json").exists()
+
+
+def test_the_length_grid_steps_by_one_then_by_the_ratio_and_pads_each_length_to_the_next_bucket():
+    grid = bucket_grid(300, 1.1).tolist()
+    assert grid[:11] == list(range(1, 12)) and grid[11:16] == [13, 15, 17, 19, 21] and grid[-1] >= 300
+    assert all(b / a <= 1.1 + 1 / a for a, b in zip(grid, grid[1:]))  # each bucket at most 10% (and one) longer
+    L = np.arange(1, 301)
+    assert (padded(L, 1.1) >= L).all() and np.isin(padded(L, 1.1), grid).all()
+    assert (padded(L, 1.1) < 1.1 * L + 1).all()  # never more than a tenth of padding, plus one token
+    assert (padded(L, 1.0) == L).all()
+
+
+def test_bucketed_lengths_bound_the_distinct_batch_shapes_and_keep_the_padding_low():
+    """A WMT-like corpus (sentences joined in geometric numbers, long tail): thousands of distinct shapes of exact
+    lengths, a few hundred bucketed, padding efficiency >= 0.95 (issue figures on 4.5M pairs: bench/shapes.py)."""
+    rng = np.random.default_rng(3)
+    S, T = random_lengths(rng, 200_000, "correlated")
+    exact, bucketed = (make_batches(S, T, 3300, seed=1, length_bucket_step=step) for step in (1.0, 1.1))
+    exact_stats, stats = padding_stats(S, T, exact), padding_stats(S, T, bucketed, 1.1)
+    assert exact_stats["num_shapes"] > 3 * stats["num_shapes"] and stats["num_shapes"] <= 300
+    assert stats["padding_efficiency"] >= 0.95
+    assert_valid_batches(padded(S, 1.1), padded(T, 1.1), bucketed, 3300)  # every pair once, within the cap padded
+    shape = shapes(S, T, bucketed, 1.1)
+    assert np.isin(shape[:, 1:], bucket_grid(int(max(S.max(), T.max())), 1.1)).all()
+    assert (shape[:, 0] * shape[:, 1:].max(axis=1) <= 3300).all()
+
+
+def test_the_batch_stage_reports_the_distinct_shapes_of_its_length_buckets(tmp_path):
+    rng = np.random.default_rng(6)
+    train = tuple(L - 1 for L in random_lengths(rng, 3000, "correlated"))
+    write_tokenized(tmp_path / "tokenized", {"train": train, "valid": train, "test": train})
+    exact = run_main(tmp_path, max_tokens=400)
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({"batch": {"max_tokens": 400, "seed": 1, "length_bucket_step": 1.2},
+                                      "train": TRAIN}))
+    batch.main(["--tokenized", str(tmp_path / "tokenized"), "--out", str(tmp_path / "batches"),
+                "--metrics", str(tmp_path / "batch.json"), "--params", str(params)])
+    bucketed = json.loads((tmp_path / "batch.json").read_text())
+    S, T = train[0] + 1, train[1] + 1
+    stored = padding_stats(S, T, load_batches(tmp_path / "batches", "train"), 1.2)
+    assert bucketed["num_shapes"] == stored["num_shapes"] < exact["num_shapes"]
+    assert bucketed["padding_efficiency"] == pytest.approx(stored["padding_efficiency"])
+    assert bucketed["padding_efficiency"] < exact["padding_efficiency"]

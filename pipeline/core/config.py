@@ -126,9 +126,11 @@ class TokenizeConfig:
 
 @dataclass(frozen=True)
 class BatchConfig:
-    # padded tokens per batch and device, each side: n pairs x the longest side of the longest pair
+    # padded tokens per stored batch, each side: n pairs x the longest side of the longest pair (bucketed)
     max_tokens: int = field(metadata={"range": "[1, inf)"})
     seed: int = field(metadata=SEED)
+    # lengths padded up to a geometric grid of this ratio (pipeline/corpus/batching.py, bucket_grid); 1.0 = exact
+    length_bucket_step: float = field(default=1.0, metadata={"range": "[1, 2]"})
 
 
 # --- model and training -------------------------------------------------------
@@ -157,6 +159,9 @@ class TrainConfig:
     timeout_minutes: float = field(metadata={"range": "(0, inf)"})
     # torch.compile the encoder and decoder layers (pipeline/training/compiled.py); eager if compiling fails
     compile: bool = field(metadata={})
+    # padded tokens per micro-batch (a process's share of a step split by rows: pipeline/training/plan.py);
+    # 0 = from the device: the whole share on a CPU, what fits the memory on a GPU
+    micro_batch_tokens: int = field(default=0, metadata={"range": "[0, inf)"})
 
 
 @dataclass(frozen=True)
@@ -254,6 +259,10 @@ def check_relations(obj: Any, key: str) -> None:
         raise ParamsError(f"{key}.tgt_lang = {obj.tgt_lang!r}: expected a language other than {key}.src_lang")
 
 
+def has_default(f: dataclasses.Field) -> bool:
+    return f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+
+
 def _to_dataclass(raw: Any, cls: type[T], key: str) -> T:
     if not isinstance(raw, dict):
         raise ParamsError(f"{key}: expected a mapping of {cls.__name__} fields, got {raw!r}")
@@ -263,11 +272,13 @@ def _to_dataclass(raw: Any, cls: type[T], key: str) -> T:
     unknown = sorted(set(raw) - set(names))
     if unknown:
         raise ParamsError(f"{key}: unknown key(s) {', '.join(f'{key}.{u}' for u in unknown)}; expected {names}")
-    missing = [n for n in names if n not in raw]
+    missing = [f.name for f in fields if f.name not in raw and not has_default(f)]  # a default makes a key optional
     if missing:
         raise ParamsError(f"{key}: missing key(s) {', '.join(f'{key}.{m}' for m in missing)}")
     values = {}
     for f in fields:
+        if f.name not in raw:
+            continue
         values[f.name] = _convert(raw[f.name], hints[f.name], f"{key}.{f.name}")
         check_value(values[f.name], f.metadata, f"{key}.{f.name}")
     obj = cls(**values)

@@ -28,6 +28,14 @@ On a WMT14-sized corpus every order is above 0.99: 4.5M pairs put hundreds of
 pairs in each (source, target) length cell, so batches are nearly pure
 (bench/data_scale.py, 4.5M pairs, max_tokens 3125: 0.9993, naive 0.9986).
 
+Bounded shapes (batch.length_bucket_step > 1): each side of a batch is padded
+to the smallest length of a geometric grid (1, 2, ..., then x step, rounded
+up: bucket_grid) that holds its longest sentence, and pairs are ordered and cut
+by those padded lengths, so a run's micro-batches take a few hundred distinct
+shapes instead of nearly one each: a GPU pays a per-shape cost (attention
+plans, compiled graphs) that many times only. Each side wastes less than
+1 - 1/step of its padded length to the grid. 1.0 keeps exact lengths.
+
 The seed only breaks ties between pairs of equal lengths (so which of them
 share a batch is not corpus order); batches are stored in length order and
 shuffled at training time.
@@ -35,6 +43,7 @@ shuffled at training time.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -51,6 +60,23 @@ def model_lengths(tokenized: str | Path, split: str) -> tuple[np.ndarray, np.nda
     if len(src) != len(tgt):
         raise InputError(f"{tokenized}: {split} has {len(src)} source but {len(tgt)} target sentences")
     return src.lengths + 1, tgt.lengths + 1
+
+
+def bucket_grid(longest: int, step: float) -> np.ndarray:
+    """Padded lengths 1, 2, ..., b, ceil(b x step), ... up to the first >= `longest` (every length when step = 1)."""
+    grid = [1]
+    while grid[-1] < longest:
+        grid.append(max(grid[-1] + 1, math.ceil(grid[-1] * step - 1e-9)))
+    return np.asarray(grid, dtype=np.int64)
+
+
+def padded(lengths: np.ndarray, step: float) -> np.ndarray:
+    """Each length rounded up to bucket_grid(step): the length a batch holding it is padded to (itself at step 1)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if step == 1.0 or len(lengths) == 0:
+        return lengths
+    grid = bucket_grid(int(lengths.max()), step)
+    return grid[np.searchsorted(grid, lengths)]
 
 
 def check_fits(S: np.ndarray, T: np.ndarray, max_tokens: int, split: str) -> None:
@@ -91,28 +117,40 @@ def fill(L: np.ndarray, max_tokens: int) -> np.ndarray:
     return np.asarray(bounds, dtype=np.int64)
 
 
-def make_batches(S: np.ndarray, T: np.ndarray, max_tokens: int, seed: int, split: str = "train") -> Ragged:
-    """Length-bucketed batches with n x max(S) <= max_tokens and n x max(T) <= max_tokens each."""
+def make_batches(S: np.ndarray, T: np.ndarray, max_tokens: int, seed: int, split: str = "train",
+                 length_bucket_step: float = 1.0) -> Ragged:
+    """Length-bucketed batches with n x padded(max S) <= max_tokens and n x padded(max T) <= max_tokens each."""
+    S, T = padded(S, length_bucket_step), padded(T, length_bucket_step)
     check_fits(S, T, max_tokens, split)
     index = order_by_length(S, T, seed)
     return Ragged(index.astype(np.int64), fill(np.maximum(S, T)[index], max_tokens))
 
 
-def padding_stats(S: np.ndarray, T: np.ndarray, batches: Ragged) -> dict[str, float]:
-    """Real / padded tokens (both sides and each), and real tokens per batch, of one split."""
+def shapes(S: np.ndarray, T: np.ndarray, batches: Ragged, length_bucket_step: float = 1.0) -> np.ndarray:
+    """The padded shape of every batch: [num_batches, 3] (rows, source length, target length)."""
+    starts, n = batches.offsets[:-1], np.diff(batches.offsets)
+    if len(n) == 0:
+        return np.zeros((0, 3), dtype=np.int64)
+    longest = [padded(np.maximum.reduceat(side[batches.values], starts), length_bucket_step) for side in (S, T)]
+    return np.stack([n, *longest], axis=1)
+
+
+def padding_stats(S: np.ndarray, T: np.ndarray, batches: Ragged, length_bucket_step: float = 1.0) -> dict[str, float]:
+    """Real / padded tokens (both sides and each), real tokens per batch, and distinct padded shapes of one split."""
     starts, n = batches.offsets[:-1], np.diff(batches.offsets)
     if len(n) == 0:
         return {}
-    stats: dict[str, float] = {}
-    real, padded = 0, 0
-    for side, lengths in (("src", S[batches.values]), ("tgt", T[batches.values])):
+    shape = shapes(S, T, batches, length_bucket_step)
+    stats: dict[str, float] = {"num_shapes": len(np.unique(shape, axis=0))}
+    real, total = 0, 0
+    for column, side, lengths in ((1, "src", S[batches.values]), (2, "tgt", T[batches.values])):
         side_real, per_batch = int(lengths.sum()), np.add.reduceat(lengths, starts)
-        side_padded = int((n * np.maximum.reduceat(lengths, starts)).sum())
+        side_padded = int((n * shape[:, column]).sum())
         stats[f"{side}_padding_efficiency"] = side_real / side_padded
         stats[f"{side}_tokens_per_batch_mean"] = float(per_batch.mean())
         stats[f"{side}_tokens_per_batch_min"] = int(per_batch.min())
         stats[f"{side}_tokens_per_batch_max"] = int(per_batch.max())
-        real, padded = real + side_real, padded + side_padded
-    stats["padding_efficiency"] = real / padded
+        real, total = real + side_real, total + side_padded
+    stats["padding_efficiency"] = real / total
     stats["sentences_per_batch_mean"] = float(n.mean())
     return stats

@@ -3,7 +3,8 @@ and the real tokens a step holds.
 
 A step is batches_per_step() stored batches, taken in the epoch's shuffled order
 (the last step of an epoch takes what is left), whatever the world size; rank r
-of a world of n processes trains on every n-th of them. The batch stage uses it
+of a world of n processes trains on every n-th of them, or, where n does not
+divide them, on every n-th row part of them (parts_per_batch). The batch stage uses it
 to report what the train stage will run, and the trainer to run it.
 
 Sec. 5.1: "Each training batch contained a set of sentence pairs containing
@@ -18,7 +19,6 @@ import math
 
 import numpy as np
 
-from pipeline.core.config import ParamsError
 
 
 def batches_per_step(tokens_per_step: int, max_tokens: int) -> int:
@@ -32,25 +32,24 @@ def batches_per_step(tokens_per_step: int, max_tokens: int) -> int:
     return max(1, math.ceil(tokens_per_step / max_tokens))
 
 
-def grad_accumulation(tokens_per_step: int, max_tokens: int, world: int) -> int:
-    """Micro-batches per process per step: batches_per_step() / world, which the world must divide.
+def parts_per_batch(batches: int, world: int) -> int:
+    """Row parts each stored batch of a step is cut into so that `world` processes share the step equally.
 
-    A world that cannot share the step's batches equally (6 or 16 processes for 8
-    batches) would either train on a step of another size or leave processes
-    idle: it fails, naming the worlds that fit and the batch.max_tokens that keeps
-    the step's tokens on this one.
+    world / gcd(batches, world): 1 when the world divides the step's batches (each
+    process takes whole batches), 8 for a step of one batch on 8 GPUs (each takes
+    every 8th row of it). The step's pairs are the same on any world.
+    """
+    return world // math.gcd(batches, world)
+
+
+def grad_accumulation(tokens_per_step: int, max_tokens: int, world: int) -> int:
+    """Pieces (a stored batch, or a row part of one) per process per step: lcm(batches, world) / world.
+
+    Each piece is then one micro-batch, or several where the device's memory asks
+    for it (pipeline/training/plan.py).
     """
     batches = batches_per_step(tokens_per_step, max_tokens)
-    if batches % world == 0:
-        return batches // world
-    fits = [n for n in range(1, batches + 1) if batches % n == 0]
-    per_process = math.ceil(batches / world)
-    keep = math.ceil(tokens_per_step / (world * per_process))
-    raise ParamsError(
-        f"{world} processes cannot share the {batches} batches of a step (train.tokens_per_step {tokens_per_step} / "
-        f"batch.max_tokens {max_tokens}, rounded up) equally: run {', '.join(map(str, fits[:-1]))} or {fits[-1]} "
-        f"processes in all, or keep {world} and set batch.max_tokens={keep} ({world} x {per_process} batches of "
-        f'<= {keep} tokens a step; docs/paper_scale.md, "Tokens per step")')
+    return batches * parts_per_batch(batches, world) // world
 
 
 def epoch_order(num_batches: int, seed: int, epoch: int) -> np.ndarray:
@@ -66,14 +65,17 @@ def next_step(order: np.ndarray, cursor: int, epoch: int, batches_per_step: int,
     return order[cursor : cursor + batches_per_step]
 
 
-def rank_share(step_batches: np.ndarray, rank: int, world: int) -> tuple[list[int], int]:
-    """This rank's batches of one step (every world-th, from `rank`) and the micro-batch count all ranks run.
+def rank_share(step_batches: np.ndarray, rank: int, world: int, parts: int = 1) -> tuple[list[tuple[int, int]], int]:
+    """This rank's pieces of one step, (batch, part) pairs, and the piece count every rank runs.
 
-    At an epoch's tail the step holds fewer than batches_per_step() batches;
-    ranks left short run zero-weighted micro-batches so every rank joins every
-    gradient all-reduce.
+    The step's batches, each cut into `parts` row parts (part p: rows p, p + parts, ...
+    of the batch, so every part spans the batch's lengths), are dealt out every
+    world-th from `rank`. At an epoch's tail the step holds fewer than
+    batches_per_step() batches; ranks left short run zero-weighted micro-batches so
+    every rank joins every gradient all-reduce.
     """
-    return [int(b) for b in step_batches[rank::world]], math.ceil(len(step_batches) / world)
+    pieces = [(int(b), p) for b in step_batches for p in range(parts)]
+    return pieces[rank::world], math.ceil(len(pieces) / world)
 
 
 def epoch_step_tokens(per_batch: np.ndarray, order: np.ndarray, batches_per_step: int) -> np.ndarray:

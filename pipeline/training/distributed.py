@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import inspect
 import ipaddress
 import logging
 import os
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from pipeline.core import cli
 from pipeline.core.config import ParamsError
@@ -185,6 +187,22 @@ def cause(error) -> tuple[int, object]:
 def teardown(ctx: Dist) -> None:
     if ctx.world > 1 and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def ddp(module: torch.nn.Module, ctx: Dist) -> DistributedDataParallel:
+    """`module` wrapped in DistributedDataParallel for this process's device, on whichever torch is installed.
+
+    No buffer sync before each forward: the only buffer is the positional table (model/transformer.py), the same
+    constant on every rank. torch 2.13 says so with forward_sync_buffers=False (and deprecates broadcast_buffers);
+    older torch (2.11 on the GPU machine) has no such keyword and says it with broadcast_buffers=False, which also
+    skips the table's sync at the start: no matter, every rank computes the same table. gradient_as_bucket_view:
+    gradients live in the all-reduce buckets instead of beside them (one copy less per step, and one gradient's
+    memory less: 1 GB for big).
+    """
+    keywords = inspect.signature(DistributedDataParallel.__init__).parameters
+    no_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in keywords else {"broadcast_buffers": False}
+    return DistributedDataParallel(module, device_ids=[ctx.local_rank] if ctx.cuda else None,
+                                   gradient_as_bucket_view=True, **no_sync)
 
 
 def all_sum(t: torch.Tensor, ctx: Dist) -> torch.Tensor:

@@ -20,6 +20,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from pipeline.training import plan
+
+from pipeline.corpus.batching import padded
 from pipeline.corpus.formats import BOS_ID, EOS_ID, PAD_ID, Ragged, load_batches, load_split, read_meta
 
 
@@ -33,12 +36,14 @@ class Batch:
     tokens: int  # real target tokens: labels != PAD_ID
 
 
-def pad_rows(split: Ragged, rows: np.ndarray, bos: bool, eos: bool) -> np.ndarray:
-    """Sentences `rows` of `split` as one int64 [B, L] array, optionally framed by BOS/EOS, right-padded."""
+def pad_rows(split: Ragged, rows: np.ndarray, bos: bool, eos: bool, bucket_step: float = 1.0) -> np.ndarray:
+    """Sentences `rows` of `split` as one int64 [B, L] array, optionally framed by BOS/EOS, right-padded to the
+    longest (with BOS/EOS) rounded up to the batch stage's length grid (batching.padded; exact at step 1)."""
     starts = split.offsets[rows]
     lengths = split.offsets[rows + 1] - starts
     longest = int(lengths.max())
-    out = np.full((len(rows), longest + bos + eos), PAD_ID, dtype=np.int64)
+    width = int(padded(np.array([longest + bos + eos]), bucket_step)[0])
+    out = np.full((len(rows), width), PAD_ID, dtype=np.int64)
     cols = np.arange(longest)
     real = cols < lengths[:, None]  # [B, longest]
     out[:, int(bos) : int(bos) + longest][real] = split.values[(starts[:, None] + cols)[real]]
@@ -49,10 +54,11 @@ def pad_rows(split: Ragged, rows: np.ndarray, bos: bool, eos: bool) -> np.ndarra
     return out
 
 
-def collate(src: Ragged, tgt: Ragged, rows: np.ndarray, device: torch.device) -> Batch:
-    """Tensors of the sentence pairs `rows`, on `device`."""
+def collate(src: Ragged, tgt: Ragged, rows: np.ndarray, device: torch.device, bucket_step: float = 1.0) -> Batch:
+    """Tensors of the sentence pairs `rows`, on `device`, each side padded to its length bucket."""
     rows = np.asarray(rows, dtype=np.int64)
-    arrays = (pad_rows(src, rows, False, True), pad_rows(tgt, rows, True, False), pad_rows(tgt, rows, False, True))
+    arrays = (pad_rows(src, rows, False, True, bucket_step), pad_rows(tgt, rows, True, False, bucket_step),
+              pad_rows(tgt, rows, False, True, bucket_step))
     tokens = int((tgt.offsets[rows + 1] - tgt.offsets[rows]).sum()) + len(rows)
     pin = device.type == "cuda"  # page-locked host memory: the copy runs without the host waiting for it
     tensors = (torch.from_numpy(a) for a in arrays)
@@ -96,14 +102,15 @@ class TrainingData:
     valid_tgt: Ragged
     train_batches: Ragged
     valid_batches: Ragged
+    bucket_step: float = 1.0  # batch.length_bucket_step: each side padded to its length bucket
 
     @staticmethod
-    def load(tokenized: Path, batches: Path) -> TrainingData:
+    def load(tokenized: Path, batches: Path, bucket_step: float = 1.0) -> TrainingData:
         meta = read_meta(tokenized)
         s, t = meta["src_lang"], meta["tgt_lang"]
         return TrainingData(int(meta["vocab_size"]), load_split(tokenized, "train", s), load_split(tokenized, "train", t),
                             load_split(tokenized, "valid", s), load_split(tokenized, "valid", t),
-                            load_batches(batches, "train"), load_batches(batches, "valid"))
+                            load_batches(batches, "train"), load_batches(batches, "valid"), bucket_step)
 
     def valid_fits(self, max_positions: int) -> np.ndarray:
         """Per valid pair: whether both sides, with EOS / BOS, fit the model's positions."""
@@ -115,12 +122,31 @@ class TrainingData:
         lengths = [split.offsets[rows + 1] - split.offsets[rows] + 1 for split in (self.train_src, self.train_tgt)]
         return lengths[0], lengths[1]
 
-    def micro_batches(self, mine: Sequence[int], n_micro: int, spare: int, device: torch.device) -> list[tuple[Batch, bool]]:
-        """This rank's batches of a step as (batch, real); topped up to n_micro with zero-weight repeats (epoch tail)."""
-        micro = [(collate(self.train_src, self.train_tgt, self.train_batches[b], device), True) for b in mine]
-        if len(micro) < n_micro:
-            filler = micro[0][0] if micro else collate(self.train_src, self.train_tgt, self.train_batches[spare], device)
-            micro += [(filler, False)] * (n_micro - len(micro))
+    def padded_tokens(self, rows: np.ndarray) -> int:
+        """Padded tokens of the larger side of train pairs `rows` as one batch (what batch.max_tokens caps)."""
+        longest = [int(np.diff(side.offsets)[rows].max()) + 1 for side in (self.train_src, self.train_tgt)]
+        return len(rows) * int(padded(np.array(longest), self.bucket_step).max())
+
+    def collate_train(self, rows: np.ndarray, device: torch.device) -> Batch:
+        return collate(self.train_src, self.train_tgt, rows, device, self.bucket_step)
+
+    def micro_batches(self, mine: Sequence[tuple[int, int]], n_micro: int, spare: int, device: torch.device,
+                      parts: int = 1, budget: int = 0) -> list[tuple[Batch, bool]]:
+        """This rank's pieces (batch, part) of a step as (micro-batch, real): each piece's rows (every parts-th of its
+        batch) in chunks of at most `budget` padded tokens (plan.split_rows; 0 = whole); topped up to n_micro
+        pieces with zero-weight repeats (epoch tail, or a part left empty by a batch of fewer rows than parts)."""
+        micro, pieces = [], 0
+        for b, p in mine:
+            rows = self.train_batches[b][p::parts]
+            if len(rows):
+                micro += [(self.collate_train(chunk, device), True)
+                          for chunk in plan.split_rows(rows, self.padded_tokens(rows), budget)]
+                pieces += 1
+        if pieces < n_micro:
+            rows = self.train_batches[spare][::parts]
+            filler = micro[0][0] if micro else self.collate_train(
+                plan.split_rows(rows, self.padded_tokens(rows), budget)[0], device)
+            micro += [(filler, False)] * (n_micro - pieces)
         return micro
 
     def valid_share(self, rank: int, world: int, max_positions: int, device: torch.device) -> tuple[list[Batch], int]:
@@ -128,5 +154,6 @@ class TrainingData:
         # Paper: every dev pair counts; ours leaves out those longer than model.max_positions (none in newstest2013).
         fits = self.valid_fits(max_positions)  # valid is never length-filtered (stages.tokenize)
         mine = (self.valid_batches[b] for b in range(rank, len(self.valid_batches), world))
-        batches = [collate(self.valid_src, self.valid_tgt, rows[fits[rows]], device) for rows in mine if fits[rows].any()]
+        batches = [collate(self.valid_src, self.valid_tgt, rows[fits[rows]], device, self.bucket_step)
+                   for rows in mine if fits[rows].any()]
         return batches, int((~fits).sum())

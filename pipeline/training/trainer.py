@@ -51,7 +51,6 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch import Tensor, nn
-from torch.nn.parallel import DistributedDataParallel
 from pipeline.progress import progress_bar
 
 from model import flops as flops_lib
@@ -60,11 +59,11 @@ from model.loss import SmoothedLoss, real_hidden, smoothed_and_nll
 from model.schedule import lrate
 from model.transformer import Transformer
 from pipeline.weights import checkpoint as ckpt
-from pipeline.training import compiled, distributed, peak
+from pipeline.training import attention, compiled, distributed, peak, plan
 from pipeline.weights import faults, fingerprint
 from pipeline.core import signals, tracking
 from pipeline.corpus import steps
-from pipeline.core.config import TrainConfig
+from pipeline.core.config import BatchConfig, TrainConfig
 from pipeline.training.distributed import Dist
 from pipeline.core.files import write_text
 from pipeline.corpus.formats import batch_paths
@@ -79,7 +78,9 @@ PLOT_COLUMNS = ("step", "loss", "lr", "tokens_per_second", "valid_ppl")
 # devices: a step's batches do not depend on it (pipeline/corpus/steps.py).
 # compile: the same function of the same weights, rounded otherwise (as on another GPU); a run that falls
 # back to eager (compiled.py) must resume its own checkpoints, and switching it should not cost the run.
-NOT_WEIGHT_SHAPING = ("max_steps", "max_minutes", "eval_every", "log_every", "checkpoint_every", "keep_checkpoints", "devices", "timeout_minutes", "compile")
+# micro_batch_tokens: how a process cuts its share into micro-batches; the gradient is summed over them all the same.
+NOT_WEIGHT_SHAPING = ("max_steps", "max_minutes", "eval_every", "log_every", "checkpoint_every", "keep_checkpoints",
+                      "devices", "timeout_minutes", "compile", "micro_batch_tokens")
 TRACE_ENV = "STAGES_TRAIN_TRACE"
 
 
@@ -120,15 +121,19 @@ class Progress:
     code_changes: list = field(default_factory=list)  # [{"step", "files"}]: resumed across a code change
 
 
-def params_hash(model_cfg: ModelConfig, train_cfg: TrainConfig, max_tokens: int, tokenized: Path, batches: Path) -> str:
-    """sha256 of what shapes the weights: model, train (less NOT_WEIGHT_SHAPING), batch.max_tokens, the data,
-    and the stored batches per step, which the world size does not change: 2 processes x 1 batch resume
-    1 process x 2 (and the reverse)."""
+def params_hash(model_cfg: ModelConfig, train_cfg: TrainConfig, batch: BatchConfig | int, tokenized: Path,
+                batches: Path) -> str:
+    """sha256 of what shapes the weights: model, train (less NOT_WEIGHT_SHAPING), batch.max_tokens and
+    length_bucket_step (how batches are padded), the data, and the stored batches per step, which the world size
+    does not change: 2 processes x 1 batch resume 1 process x 2 (and the reverse). `batch` may be max_tokens alone
+    (exact lengths)."""
+    max_tokens, step = (batch, 1.0) if isinstance(batch, int) else (batch.max_tokens, batch.length_bucket_step)
     train = {k: v for k, v in asdict(train_cfg).items() if k not in NOT_WEIGHT_SHAPING}
     step_batches = steps.batches_per_step(train_cfg.tokens_per_step, max_tokens)
     files = [p for p in (tokenized / "meta.json", tokenized / "spm.model", *batch_paths(batches, "train")) if p.exists()]
+    bucketing = {"batch.length_bucket_step": step} if step != 1.0 else {}  # exact lengths: the hash of earlier runs
     return ckpt.fingerprint({"model": asdict(model_cfg), "train": train, "batch.max_tokens": max_tokens,
-                             "batches_per_step": step_batches}, files)
+                             "batches_per_step": step_batches, **bucketing}, files)
 
 
 def plot_csv(rows: list[list]) -> str:
@@ -137,13 +142,14 @@ def plot_csv(rows: list[list]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def trace(ctx: Dist, step: int, batch_ids: list[int], model: nn.Module) -> None:
-    """Debug record for tests: this rank's batches of `step` and a checksum of its parameters."""
+def trace(ctx: Dist, step: int, pieces: tuple[tuple[int, int], ...], model: nn.Module) -> None:
+    """Debug record for tests: this rank's batches of `step` (and their row parts), a checksum of its parameters."""
     directory = os.environ.get(TRACE_ENV)
     if directory:
         checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
+        record = {"step": step, "batches": [b for b, _ in pieces], "parts": [p for _, p in pieces], "checksum": checksum}
         with open(Path(directory) / f"rank{ctx.rank}.jsonl", "a") as f:
-            f.write(json.dumps({"step": step, "batches": batch_ids, "checksum": checksum}) + "\n")
+            f.write(json.dumps(record) + "\n")
 
 
 def widen(bounds: list, src: int, tgt: int) -> list:
@@ -174,9 +180,12 @@ class Trainer:
         self.stopped_by_time = False
         self.saved_step: int | None = None  # the newest checkpoint written or resumed from
         self.bar = None  # the progress bar, while training
+        self.batches = steps.batches_per_step(cfg.tokens_per_step, max_tokens)
+        self.parts = steps.parts_per_batch(self.batches, ctx.world)
         self.accum = steps.grad_accumulation(cfg.tokens_per_step, max_tokens, ctx.world)
-        log.info("%d device(s) x %d micro-batch(es) of <= %d tokens per step (train.tokens_per_step = %d); "
-                 "%d train batches per epoch", ctx.world, self.accum, max_tokens, cfg.tokens_per_step,
+        log.info("%d device(s) x %d piece(s) a step: %d batch(es) of <= %d padded tokens%s (train.tokens_per_step = "
+                 "%d); %d train batches per epoch", ctx.world, self.accum, self.batches, max_tokens,
+                 f", each cut into {self.parts} row parts" if self.parts > 1 else "", cfg.tokens_per_step,
                  len(data.train_batches))
         torch.manual_seed(cfg.seed)  # the same initial weights in every process
         self.model = Transformer(model_cfg, data.vocab_size).to(ctx.device)
@@ -195,12 +204,12 @@ class Trainer:
         self.compiled = compiled.compile_layers(self.model) if cfg.compile else []
         self.loss_model: nn.Module = SmoothedLoss(self.model, cfg.label_smoothing, chunked=not ctx.cuda)
         if ctx.world > 1 or torch.distributed.is_initialized():  # a group of one too: bench.gpu_check times DDP
-            # forward_sync_buffers=False: the only buffer is the positional table, the same constant on every rank
-            # (synced once at the start), so no broadcast before each forward. gradient_as_bucket_view: gradients live in the all-reduce buckets
-            # instead of beside them (one copy less per step, and one gradient's memory less: 1 GB for big).
-            self.loss_model = DistributedDataParallel(self.loss_model, device_ids=[ctx.local_rank] if ctx.cuda else None,
-                                                      forward_sync_buffers=False, gradient_as_bucket_view=True)
-        self.prefetch = Prefetcher(lambda share: data.micro_batches(*share, ctx.device), ctx.device)
+            self.loss_model = distributed.ddp(self.loss_model, ctx)  # no buffer sync per forward, on any torch
+        # Steps, validation and the rest of the process: the SDPA kernels chosen on CUDA (none changed on a CPU).
+        self.attention_kernels = attention.use(ctx.device)
+        log.info("attention: %s", self.attention_kernels)
+        budget = plan.micro_batch_tokens(cfg.micro_batch_tokens, model_cfg, data.vocab_size, ctx.device)
+        self.prefetch = Prefetcher(lambda share: data.micro_batches(*share, ctx.device, self.parts, budget), ctx.device)
         self.valid, left_out = data.valid_share(ctx.rank, ctx.world, model_cfg.max_positions, ctx.device)
         if left_out:
             log.warning("%d valid pair(s) longer than model.max_positions = %d are left out of validation",
@@ -208,7 +217,8 @@ class Trainer:
         self.peak = peak.peak_flops(ctx) if ctx.is_main else peak.Peak(0.0, 0.0, "", "", None)
         run.log_params({"model": asdict(model_cfg), "train": asdict(cfg), "batch.max_tokens": max_tokens,
                         "grad_accum": self.accum, "device": self.peak.device, "params_hash": phash,
-                        "code_hash": self.code_hash})
+                        "code_hash": self.code_hash,
+                        "attention": ",".join(attention.choice(ctx.device) or ("cpu-default",))})
 
     def close(self) -> None:
         """Drop DDP before the process group ends (distributed.teardown): its reducer holds the group, and a group
@@ -278,18 +288,18 @@ class Trainer:
             self._order = (p.epoch, steps.epoch_order(len(self.data.train_batches), self.cfg.seed, p.epoch))
         return self._order[1]
 
-    def share(self, step_ids: np.ndarray) -> tuple[tuple[int, ...], int, int]:
-        """This rank's batches of a step, the micro-batches every rank runs, and the spare (micro_batches' arguments)."""
-        mine, n_micro = steps.rank_share(step_ids, self.ctx.rank, self.ctx.world)
+    def share(self, step_ids: np.ndarray) -> tuple[tuple[tuple[int, int], ...], int, int]:
+        """This rank's pieces of a step, the pieces every rank runs, and the spare (micro_batches' arguments)."""
+        mine, n_micro = steps.rank_share(step_ids, self.ctx.rank, self.ctx.world, self.parts)
         return tuple(mine), n_micro, int(step_ids[0])
 
     def step(self, order: np.ndarray) -> tuple[Tensor, int, float]:
         """Train on the next batches_per_step batches of `order`; (this rank's loss sum, its tokens, lr)."""
         p, ctx = self.progress, self.ctx
-        step_ids = order[p.cursor : p.cursor + self.accum * ctx.world]
+        step_ids = order[p.cursor : p.cursor + self.batches]
         p.cursor += len(step_ids)
         mine = self.share(step_ids)
-        upcoming = steps.next_step(order, p.cursor, p.epoch, self.accum * ctx.world, self.cfg.seed)
+        upcoming = steps.next_step(order, p.cursor, p.epoch, self.batches, self.cfg.seed)
         micro = self.prefetch.get(mine, self.share(upcoming))
         S, T = self.data.lengths(step_ids)
         lr = self.cfg.lr_factor * lrate(p.step + 1, self.model_cfg.d_model, self.cfg.warmup_steps)
@@ -301,7 +311,7 @@ class Trainer:
         p.src_tokens += int(S.sum())
         p.step_tokens_range = widen(p.step_tokens_range, int(S.sum()), int(T.sum()))
         p.flops += flops_lib.training_flops(self.model_cfg, self.data.vocab_size, S, T)
-        trace(ctx, p.step, list(mine[0]), self.model)
+        trace(ctx, p.step, mine[0], self.model)
         return loss_sum, sum(b.tokens for b, real in micro if real), lr
 
     def compiled_or_eager(self, run):
