@@ -76,8 +76,8 @@ class Plan:
 
 FULL = Plan(
     overrides=[
-        ("batch.max_tokens=200", "preset 3300: the micro-batch tokens, scaled down for 2 CPU cores"),
-        ("train.tokens_per_step=1600", "preset 26400 = 3300 x 8: still one micro-batch per process on 8"),
+        ("batch.max_tokens=1600", "preset 27400: one stored batch a step, scaled down for 2 CPU cores"),
+        ("train.tokens_per_step=1600", "preset 27400 = batch.max_tokens: every 8th row of it per process on 8"),
         ("train.max_steps=10", "preset 100000: the number of steps, scaled down"),
         ("train.checkpoint_every=2", "preset 1389 (10 minutes of the paper's steps): scaled with the steps, so "
                                      "that average.last_n = 5 takes 5"),
@@ -93,8 +93,8 @@ FULL = Plan(
 SMALL = Plan(
     overrides=[
         ("model=tiny", "the test's smaller version: conf/model/tiny.yaml (dropout 0.1)"),
-        ("batch.max_tokens=200", "preset 3300: the micro-batch tokens, scaled down"),
-        ("train.tokens_per_step=1600", "preset 26400 = 3300 x 8: still one micro-batch per process on 8"),
+        ("batch.max_tokens=1600", "preset 27400: one stored batch a step, scaled down"),
+        ("train.tokens_per_step=1600", "preset 27400 = batch.max_tokens: every 8th row of it per process on 8"),
         ("train.max_steps=5", "preset 100000: the number of steps, scaled down"),
         ("train.checkpoint_every=1", "preset 1389: scaled with the steps, so that average.last_n = 5 takes 5"),
         *FULL.overrides[4:],
@@ -225,7 +225,8 @@ def train_one_process(repo: Path, params: dict, out: Path, env: dict[str, str], 
     On one thread (OMP_NUM_THREADS=1), as each of the 8 processes ran (pipeline/training/distributed.py gives each
     cores // 8, at least 1): the same kernels, and no threads spinning at a busy machine's barriers.
     """
-    one = {**params, "train": {**params["train"], "devices": 1, "checkpoint_every": 0}}
+    # micro-batches of 200 padded tokens: the memory of one of the 8 processes' shares
+    one = {**params, "train": {**params["train"], "devices": 1, "checkpoint_every": 0, "micro_batch_tokens": 200}}
     out.mkdir(parents=True, exist_ok=True)
     write_params(out, one)  # out/params.yaml
     cmd = [sys.executable, "-m", "stages.train", "--tokenized", "data/tokenized", "--batches", "data/batches",

@@ -38,7 +38,7 @@ def step_gradients(data: TrainingData, chunked: bool, autocast) -> tuple[float, 
     model = Transformer(ModelConfig(**MODEL), VOCAB)
     loss_model = SmoothedLoss(model, 0.1, chunked=chunked)
     optimizer = build_optimizer(model, TrainConfig(**TRAIN))
-    micro = data.micro_batches([0, 1], 2, 0, CPU)
+    micro = data.micro_batches([(0, 0), (1, 0)], 2, 0, CPU)
     grads = {}
     for name, p in model.named_parameters():  # keep each gradient as the optimizer sees it
         p.register_post_accumulate_grad_hook(lambda p, name=name: grads.__setitem__(name, p.grad.clone()))
@@ -115,7 +115,7 @@ def test_batches_reach_the_gpu_through_pinned_memory_from_the_prefetch_thread(tm
 
     def build(rows: tuple[int, ...]):
         seen[rows] = torch.cuda.current_device()
-        return data.micro_batches(list(rows), len(rows), 0, device)
+        return data.micro_batches([(b, 0) for b in rows], len(rows), 0, device)
 
     prefetch = Prefetcher(build, device)
     prefetch.get((0,), (1, 2))

@@ -1,5 +1,6 @@
 """The paper presets hold exactly the paper's numbers (shared/docs/PAPER.md, Tables 2-3, Sec. 5-6)."""
 
+import numpy as np
 import pytest
 
 import types
@@ -7,6 +8,7 @@ import types
 import torch
 
 from pipeline.corpus import steps
+from pipeline.corpus.batching import make_batches, padding_stats
 from pipeline.core.config import TrainConfig, compose, parse
 from pipeline.training.distributed import Dist
 from pipeline.training.trainer import Progress, Trainer
@@ -45,15 +47,23 @@ def test_paper_preset_holds_the_papers_values(experiment):
 
 @pytest.mark.parametrize("experiment", sorted(PAPER))
 def test_paper_preset_steps_hold_25000_real_tokens_per_side(experiment):
-    """Sec. 5.1: ~25000 real source + 25000 real target tokens a step. The cap counts padded tokens, so
-    3300 was measured to hold ~3125 real tokens a side (docs/paper_scale.md, "Tokens per step"): one batch per GPU on
-    8 GPUs, and the same 8 batches a step on 1, 2 or 4."""
+    """Sec. 5.1: ~25000 real source + 25000 real target tokens a step. The cap counts padded tokens of bucketed
+    lengths, so it was set by measuring (docs/paper_scale.md, "Tokens per step"): one stored batch a step that holds
+    what 8 exact-length batches of 3300 hold, every 8th row of it per GPU on 8 GPUs, on any world the same pairs."""
     params = compose([f"experiment={experiment}"])
-    assert params["train"]["devices"] == 8
-    assert params["batch"]["max_tokens"] == 3300
-    for devices in (8, 4, 2, 1):
-        accum = steps.grad_accumulation(params["train"]["tokens_per_step"], params["batch"]["max_tokens"], devices)
-        assert devices * accum == 8
+    cap, step = params["batch"]["max_tokens"], params["batch"]["length_bucket_step"]
+    assert params["train"]["devices"] == 8 and params["train"]["tokens_per_step"] == cap
+    rng = np.random.default_rng(0)  # WMT14-like lengths: ~28 source and ~30 target tokens a pair, a long tail
+    S = np.clip(np.exp(rng.normal(np.log(22), 0.65, 100_000)), 1, 256).astype(np.int64) + 1
+    T = np.clip(S * np.exp(rng.normal(0.04, 0.2, len(S))), 1, 256).astype(np.int64) + 1
+    exact = padding_stats(S, T, make_batches(S, T, 3300, seed=1))
+    ours = padding_stats(S, T, make_batches(S, T, cap, seed=1, length_bucket_step=step), step)
+    for side in ("src", "tgt"):
+        assert ours[f"{side}_tokens_per_batch_mean"] == pytest.approx(8 * exact[f"{side}_tokens_per_batch_mean"], rel=0.03)
+    assert ours["num_shapes"] <= 300 < exact["num_shapes"]
+    for devices in (8, 4, 2, 1, 16):
+        parts = steps.parts_per_batch(steps.batches_per_step(cap, cap), devices)
+        assert parts == devices and steps.grad_accumulation(cap, cap, devices) == 1  # every devices-th row each
 
 
 @pytest.mark.parametrize("experiment", sorted(PAPER))

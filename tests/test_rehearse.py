@@ -42,8 +42,10 @@ def test_the_rehearsal_runs_every_stage_with_8_processes_and_1_process_agrees(tm
 
     repo = work / "repo"
     assert "Data and pipelines are up to date" in dvc(repo, "status")  # every stage ran under dvc, none is stale
-    assert "8 device(s) x 1 micro-batch(es)" in (work / "logs" / "train.log").read_text()
-    assert "1 device(s) x 8 micro-batch(es)" in (work / "logs" / "train_1proc.log").read_text()
+    assert "8 device(s) x 1 piece(s) a step: 1 batch(es) of <= 1600 padded tokens, each cut into 8 row parts" in (
+        work / "logs" / "train.log").read_text()
+    one = (work / "logs" / "train_1proc.log").read_text()
+    assert "1 device(s) x 1 piece(s) a step" in one and "micro-batches of at most 200 padded tokens" in one
     assert "sha256 NOT PINNED" in (work / "logs" / "download.log").read_text()  # the preset's training files
     averaged = json.loads((repo / "data" / "model" / "averaged.json").read_text())
     assert averaged["steps"] == [1, 2, 3, 4, 5] and "average: 5 checkpoints" in out
