@@ -1,0 +1,225 @@
+"""model/loss.py: the chunked label-smoothed loss equals F.cross_entropy, in fp32 and in autocast's precision, and
+never holds the whole [N, V] logits in fp32; torch's F.linear_cross_entropy path and the path without it both run."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from model import loss as loss_lib
+from model.config import ModelConfig
+from model.transformer import Transformer
+from tests.train_fixtures import MODEL, VOCAB
+
+N, D, V, CHUNK, EPS = 50, 8, 40, 16, 0.1  # N not a multiple of CHUNK: four chunks, the last one of 2 rows
+CPU = torch.device("cpu")
+HAS_TORCH_LOSS = hasattr(F, "linear_cross_entropy") and hasattr(torch.nn, "LinearCrossEntropyOptions")
+
+
+@pytest.fixture(autouse=True)
+def _small_chunks_and_a_fresh_probe(monkeypatch):
+    monkeypatch.setattr(loss_lib.ProjectedSmoothedLoss, "CHUNK", CHUNK)  # chunk_rows(CPU) reads it
+    loss_lib._torch_chunks_it.cache_clear()
+    yield
+    loss_lib._torch_chunks_it.cache_clear()
+
+
+def inputs(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(N, D, generator=g)
+    weight = torch.randn(V, D, generator=g) * D**-0.5 * 4  # logits of a few units, as a trained model's
+    return hidden, weight, torch.randint(0, V, (N,), generator=g)
+
+
+def loss_and_grads(fn, hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss = fn(h, w)
+    (3 * loss).backward()  # a scale, as a loss divided by the step's tokens (or a grad scaler's) has
+    return loss.detach(), h.grad, w.grad
+
+
+def reference(hidden, weight, targets, eps=EPS):
+    return loss_and_grads(lambda h, w: F.cross_entropy(h @ w.t(), targets, label_smoothing=eps, reduction="sum"),
+                          hidden, weight)
+
+
+class Ops(TorchDispatchMode):
+    """Every aten op run inside: (name, [(dtype, shape) of its tensor inputs], [(dtype, shape) of the tensors it made:
+    views and in-place results left out])."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        seen = lambda tree: [(t.dtype, tuple(t.shape)) for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+        # What the op made: not a view (W^T) or an in-place result, whose schema says it aliases an input.
+        made = [] if any(r.alias_info is not None for r in func._schema.returns) else out
+        self.ops.append((func.overloadpacket.__name__, seen((args, kwargs)), seen(made)))
+        return out
+
+    def largest(self, dtype: torch.dtype) -> int:
+        """Elements of the largest `dtype` tensor any op made."""
+        return max((torch.Size(shape).numel() for _, _, outs in self.ops for d, shape in outs if d == dtype), default=0)
+
+    def rows_of(self, dtype: torch.dtype, columns: int) -> int:
+        """Rows of the largest `dtype` tensor of `columns` columns ([..., columns]) any op made."""
+        return max((torch.Size(shape[:-1]).numel() for _, _, outs in self.ops for d, shape in outs
+                    if d == dtype and shape and shape[-1] == columns), default=0)
+
+    def products(self) -> list[list[torch.dtype]]:
+        return [[d for d, _ in ins] for name, ins, _ in self.ops if name in ("mm", "addmm", "bmm", "matmul", "linear")]
+
+
+# --- (a) fp32: equal to F.cross_entropy ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("eps", [0.0, EPS])
+def test_the_chunked_loss_and_its_gradients_equal_cross_entropy_in_fp32(eps):
+    hidden, weight, targets = inputs()
+    want = reference(hidden, weight, targets, eps)
+    by_function = loss_and_grads(lambda h, w: loss_lib.ProjectedSmoothedLoss.apply(h, w, targets, eps, None, CHUNK),
+                                 hidden, weight)
+    with Ops() as ops:
+        by_loss = loss_and_grads(lambda h, w: loss_lib.projected_smoothed_loss(h, w, targets, eps), hidden, weight)
+    assert loss_lib.loss_path(CPU, None, eps) == "ours"
+    for got in (by_function, by_loss):
+        assert got[0].dtype == torch.float32
+        for g, w, what in zip(got, want, ("loss", "grad hidden", "grad weight")):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=what)
+    assert ops.largest(torch.float32) == CHUNK * V < N * V  # one chunk's logits at a time
+    assert all(dtypes == [torch.float32] * len(dtypes) for dtypes in ops.products())
+
+
+def test_without_gradients_it_computes_the_loss_alone():
+    hidden, weight, targets = inputs()
+    with torch.no_grad(), Ops() as ops:
+        loss = loss_lib.projected_smoothed_loss(hidden, weight, targets, EPS)
+    torch.testing.assert_close(loss, reference(hidden, weight, targets)[0], rtol=1e-5, atol=1e-5)
+    assert len(ops.products()) == -(-N // CHUNK)  # h @ W^T per chunk; no g @ W, g^T @ h
+
+
+# --- (b) under autocast: the products in bf16 / fp16, the sums in fp32, no fp32 [N, V] ------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_under_autocast_the_products_run_in_its_precision_and_no_fp32_logits_are_whole(dtype):
+    hidden, weight, targets = inputs()
+    want = reference(hidden, weight, targets)
+    with torch.autocast("cpu", dtype=dtype), Ops() as ops:
+        got = loss_and_grads(lambda h, w: loss_lib.projected_smoothed_loss(h, w, targets, EPS), hidden, weight)
+    products = ops.products()
+    assert len(products) == 3 * -(-N // CHUNK)  # h @ W^T, g @ W and g^T @ h per chunk
+    assert all(dtypes == [dtype, dtype] for dtypes in products), products
+    assert ops.largest(torch.float32) == CHUNK * V < N * V  # one chunk's fp32 logits, never all N rows'
+    sums = [ins[0][0] for name, ins, _ in ops.ops if name in ("sum", "mean", "exp", "log", "logsumexp")]
+    assert sums and set(sums) <= {torch.float32, torch.float64}  # log-sum-exp, softmax and the loss sum in fp32
+    loss, grad_hidden, grad_weight = got
+    assert loss.dtype == grad_hidden.dtype == grad_weight.dtype == torch.float32
+    torch.testing.assert_close(loss, want[0], rtol=1e-2, atol=0.0)  # bf16 logits: 8 bits
+    for g, w in zip((grad_hidden, grad_weight), want[1:]):
+        torch.testing.assert_close(g, w, rtol=0.05, atol=0.05 * float(w.abs().max()))
+    # Not fp32 in disguise: bf16 products differ from fp32 ones.
+    assert not torch.allclose(grad_weight, want[2], rtol=1e-5, atol=1e-6)
+
+
+def test_the_check_above_catches_whole_fp32_logits():
+    """The same record of F.cross_entropy of the whole logits under autocast: an fp32 [N, V] is there."""
+    hidden, weight, targets = inputs()
+    with torch.autocast("cpu", dtype=torch.bfloat16), Ops() as ops:
+        loss_and_grads(lambda h, w: F.cross_entropy(h @ w.t(), targets, label_smoothing=EPS, reduction="sum"),
+                       hidden, weight)
+    assert ops.largest(torch.float32) >= N * V
+
+
+def test_the_fp16_gradient_keeps_its_small_entries_and_does_not_overflow():
+    """fp16's smallest normal is 6e-5: unscaled, a logit gradient's eps / V entries (here 2.5e-5) lose bits."""
+    hidden, weight, targets = inputs(1)
+    g = torch.softmax(hidden @ weight.t(), dim=-1) - EPS / V
+    scale = loss_lib._fp16_scale(g, hidden.half(), weight.half())
+    assert scale.dtype == torch.float32 and float(scale) == 2.0 ** round(float(torch.log2(scale)))
+    assert float(scale) > 1 and float((g * scale).abs().max()) < 2**15
+    assert torch.isfinite((g * scale).half().t() @ hidden.half()).all()
+    assert torch.isfinite((g * scale).half() @ weight.half()).all()
+
+
+def test_the_model_loss_is_chunked_by_default_under_autocast(monkeypatch):
+    monkeypatch.setattr(loss_lib.ProjectedSmoothedLoss, "CHUNK", 4)
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(**MODEL), VOCAB)
+    src = torch.randint(4, VOCAB, (2, 6))
+    tgt_in, labels = torch.randint(4, VOCAB, (2, 5)), torch.randint(4, VOCAB, (2, 5))
+    want = loss_lib.SmoothedLoss(model, EPS, chunked=False)(src, tgt_in, labels, 10)
+    with torch.autocast("cpu", dtype=torch.bfloat16), Ops() as ops:
+        loss = loss_lib.SmoothedLoss(model, EPS)(src, tgt_in, labels, 10)
+        loss.backward()
+    assert loss.dtype == torch.float32
+    assert loss.item() == pytest.approx(want.item(), rel=2e-2)
+    assert ops.rows_of(torch.float32, VOCAB) == 4  # a chunk's logits: never the [10, V] of the 10 real tokens
+    assert model.embedding.weight.grad.dtype == torch.float32
+
+
+# --- (c) torch's F.linear_cross_entropy, and a torch without it ------------------------------------------------------
+
+@pytest.mark.skipif(not HAS_TORCH_LOSS, reason="this torch has no F.linear_cross_entropy")
+@pytest.mark.parametrize("eps", [0.0, EPS])
+def test_the_path_through_torchs_linear_cross_entropy_agrees_with_the_reference(eps):
+    hidden, weight, targets = inputs()
+    want = reference(hidden, weight, targets, eps)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a torch that cannot chunk label smoothing says so, and computes it whole
+        got = loss_and_grads(lambda h, w: loss_lib.projected_smoothed_loss(h, w, targets, eps, path="torch"),
+                             hidden, weight)
+    assert got[0].dtype == torch.float32
+    for g, w, what in zip(got, want, ("loss", "grad hidden", "grad weight")):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=what)
+
+
+@pytest.mark.parametrize("has_it", [True, False], ids=["torch with F.linear_cross_entropy", "torch without it"])
+def test_the_gpu_choice_runs_with_and_without_torchs_loss(monkeypatch, has_it):
+    """What a GPU picks (torch's where it serves, else ours), run here: eps = 0, fp32, which torch 2.13 chunks."""
+    if has_it and not HAS_TORCH_LOSS:
+        pytest.skip("this torch has no F.linear_cross_entropy")
+    if not has_it:
+        monkeypatch.delattr(F, "linear_cross_entropy", raising=False)
+    serves = loss_lib.torch_loss_serves(CPU, None, 0.0)
+    assert serves == has_it  # a torch that has it chunks eps = 0 in fp32
+    hidden, weight, targets = inputs()
+    want = reference(hidden, weight, targets, 0.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the path chosen computes chunked: no fall-through warning
+        got = loss_and_grads(lambda h, w: loss_lib.projected_smoothed_loss(h, w, targets, 0.0,
+                                                                           path="torch" if serves else "ours"),
+                             hidden, weight)
+    for g, w, what in zip(got, want, ("loss", "grad hidden", "grad weight")):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=what)
+    cuda = torch.device("cuda", 0)
+    if not has_it:
+        assert loss_lib.loss_path(cuda, torch.bfloat16, EPS) == "ours"  # probes nothing: no CUDA needed
+
+
+def test_loss_path_takes_torchs_on_gpus_only_where_it_serves_and_never_on_cpus(monkeypatch):
+    cuda = torch.device("cuda", 0)
+    for serves in (True, False):
+        monkeypatch.setattr(loss_lib, "torch_loss_serves", lambda device, dtype, eps, serves=serves: serves)
+        assert loss_lib.loss_path(cuda, torch.bfloat16, EPS) == ("torch" if serves else "ours")
+        assert loss_lib.loss_path(CPU, None, EPS) == "ours"  # measured slower there (loss_path's docstring)
+
+
+@pytest.mark.parametrize("flaw", ["falls through to the whole logits", "returns a bf16 sum", "raises"])
+def test_torchs_loss_serves_only_if_it_chunks_and_sums_in_fp32(monkeypatch, flaw):
+    def fake(hidden, weight, targets, **kwargs):
+        if flaw == "raises":
+            raise TypeError("unexpected keyword argument 'options'")
+        if flaw == "falls through to the whole logits":
+            warnings.warn("linear_cross_entropy: ``options`` ignored")
+        loss = F.cross_entropy(hidden @ weight.t(), targets, reduction="sum")
+        return loss.bfloat16() if flaw == "returns a bf16 sum" else loss.float()
+
+    monkeypatch.setattr(F, "linear_cross_entropy", fake, raising=False)
+    monkeypatch.setattr(torch.nn, "LinearCrossEntropyOptions", lambda **kwargs: None, raising=False)
+    assert not loss_lib.torch_loss_serves(CPU, torch.bfloat16, EPS)
