@@ -4,6 +4,8 @@ Compiled here with backend aot_eager ($TRANSFORMER_COMPILE_BACKEND, pipeline/tra
 captures the layers and AOT autograd builds their forward and backward graphs, as with inductor, but runs them
 with aten kernels instead of building C++ (minutes on a shared 2-core CPU). The fallback is made to happen for
 real: an unknown backend (torch.compile refuses it) and a backend whose compiler raises (dynamo's own failure).
+Shapes: over a stream of bucketed micro-batch shapes the layers build one graph per layer class, once (dynamo's
+counters), and a dimension of 1 a bounded few more.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import json
 import logging
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -24,7 +27,7 @@ from pipeline.training.loader import TrainingData
 from pipeline.training.trainer import Trainer
 from pipeline.weights.checkpoint import complete_checkpoints, load_checkpoint, load_model
 from stages import average, train
-from tests.train_fixtures import MODEL, TRAIN, VOCAB, stage_args, write_corpus, write_params
+from tests.train_fixtures import FIRST_ID, MODEL, TRAIN, VOCAB, stage_args, write_corpus, write_params
 
 CPU = torch.device("cpu")
 
@@ -36,6 +39,7 @@ def _aot_eager(monkeypatch, tmp_path):
     monkeypatch.setenv(compiled.BACKEND_ENV, "aot_eager")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()  # reset() keeps dynamo's counters
     yield
     torch._dynamo.reset()
 
@@ -55,6 +59,9 @@ def trained_steps(data: TrainingData, compile_: bool, steps: int) -> tuple[list[
         losses.append(float(loss))
         step_grads.append(dict(grads))
     assert (torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs) == compile_  # compiled ran, or none
+    p = trainer.progress  # the steps' compiling, counted apart (metrics compile_seconds, compile_graphs)
+    assert p.compile_graphs == torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
+    assert (p.compile_seconds > 0) == compile_
     return losses, step_grads, {k: v.clone() for k, v in trainer.model.state_dict().items()}
 
 
@@ -73,6 +80,71 @@ def test_compiled_and_eager_steps_give_the_same_losses_gradients_and_weights(tmp
         torch.testing.assert_close(comp[2][name], eager[2][name], rtol=1e-4, atol=1e-6, msg=name)
 
 
+def graphs() -> int:
+    """Graphs dynamo has built in this test (the fixture clears its counters)."""
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
+def compiled_tiny() -> Transformer:
+    model = Transformer(ModelConfig(**MODEL), VOCAB)
+    assert len(compiled.compile_layers(model)) == 2 * MODEL["n_layers"]
+    return model
+
+
+def bucketed_shapes() -> list[tuple[int, int, int]]:
+    """30 distinct (rows, source length, target length) of ~64 padded tokens, rows and lengths >= 2, in a shuffled
+    order as an epoch of bucketed batches comes. The first has rows = source = target length: a shape-specialising
+    compile (dynamic=True's duck sizing) would make that a guard of its first graph."""
+    shapes = sorted({(max(2, 64 // max(s, t)), s, t) for s in range(2, 16) for t in (s - 1, s + 1, s + 2) if t >= 2})
+    assert len(shapes) >= 30 and (4, 4, 4) not in shapes
+    order = np.random.default_rng(0).permutation(len(shapes))
+    return [(4, 4, 4)] + [shapes[i] for i in order[:29]]
+
+
+def train_on(model: Transformer, shapes: list[tuple[int, int, int]], most_graphs: int | None = None) -> None:
+    """Forward and backward of `model` on a batch of each shape (padding in the first row's source); with
+    `most_graphs`, fails as soon as dynamo has built more graphs than that."""
+    rng = torch.Generator().manual_seed(0)
+    for rows, s, t in shapes:
+        src = torch.randint(FIRST_ID, VOCAB, (rows, s), generator=rng)
+        src[0, -1] = 0
+        tgt_in = torch.randint(FIRST_ID, VOCAB, (rows, t), generator=rng)
+        model(src, tgt_in).logsumexp(-1).sum().backward()
+        assert most_graphs is None or graphs() <= most_graphs, f"graph {graphs()} built at shape {(rows, s, t)}"
+
+
+def test_a_stream_of_shapes_builds_one_graph_per_layer_class_once():
+    """Two epochs of 30 bucketed shapes: the first builds one graph for the encoder's layers and one for the
+    decoder's (rows and lengths dynamic: compiled.DYNAMIC_DIMS), the second none. A compile that specialises
+    on shapes (dynamic=False; dynamic=True's duck sizing) fails here on its second shape."""
+    model, shapes = compiled_tiny(), bucketed_shapes()
+    train_on(model, shapes, most_graphs=2)
+    assert graphs() == 2
+    train_on(model, shapes[::-1])
+    assert graphs() == 2  # the second epoch compiled nothing
+
+
+def test_a_dimension_of_1_costs_one_graph_per_layer_class_once_and_trains_as_eager():
+    """A dimension of 1 is specialised by torch (a size of 1 may broadcast), so it has graphs of its own: rows = 1
+    (a step's last rows split over the GPUs) one more per layer class, a target length of 1 (an empty line:
+    validation only, training drops empty pairs) one more for the decoder's layers (a source length of 1: one
+    more each, measured but not run here, ~3 s a graph). Built once, whatever the other dimensions: at most one
+    graph per layer class and combination of dimensions equal to 1, never one per shape."""
+    model = compiled_tiny()
+    train_on(model, [(4, 5, 6)])
+    assert graphs() == 2
+    ones = [(1, 5, 6), (1, 3, 2), (1, 8, 9), (3, 4, 1), (5, 2, 1)]
+    train_on(model, ones)
+    assert graphs() <= 2 + 2 + 1  # rows 1: encoder and decoder; target length 1: decoder
+    built = graphs()
+    train_on(model, ones[::-1] + [(6, 7, 3), (1, 6, 4), (7, 3, 1)])
+    assert graphs() == built  # built once
+    src, tgt_in = torch.tensor([[5, 6, 7, 3]]), torch.tensor([[2, 8, 9]])  # one row, through its own graphs
+    got = model(src, tgt_in)
+    compiled.uncompile([*model.encoder, *model.decoder])
+    torch.testing.assert_close(got, model(src, tgt_in), rtol=1e-5, atol=1e-6)
+
+
 def run_stage(root: Path, params: Path) -> dict:
     train.main(stage_args(root, params))
     return json.loads((root / "metrics" / "train.json").read_text())
@@ -82,8 +154,14 @@ def test_a_compiled_run_writes_eager_checkpoints_resumes_and_switching_compile_d
     caplog.set_level(logging.INFO)
     write_corpus(tmp_path)
     keys = dict(max_steps=4, checkpoint_every=2, eval_every=2)
-    assert run_stage(tmp_path, write_params(tmp_path / "p.yaml", compile=True, **keys))["steps"] == 4
+    metrics = run_stage(tmp_path, write_params(tmp_path / "p.yaml", compile=True, **keys))
+    assert metrics["steps"] == 4
     assert "layers compiled" in caplog.text and "training eager instead" not in caplog.text
+    # Compiling is reported apart: the steps' graphs (one per layer class, whatever their batches' shapes) and
+    # their seconds, which the rate leaves out (validation's own graphs are neither).
+    assert metrics["compile_graphs"] == 2 and 0 < metrics["compile_seconds"] < metrics["step_seconds"]
+    assert metrics["tokens_per_second"] == pytest.approx(
+        metrics["train_tokens"] / (metrics["step_seconds"] - metrics["compile_seconds"]))
     state = load_checkpoint(complete_checkpoints(tmp_path / "checkpoints")[-1])
     eager_keys = set(load_model_keys())
     assert set(state["model"]) == eager_keys  # the checkpoint format of an eager run

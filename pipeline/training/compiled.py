@@ -16,10 +16,32 @@ Not compiled: the embedding, the loss, DDP and Adam. So:
     layer, so the all-reduce still overlaps the backward (one whole-model graph
     would hand DDP every gradient at once, at the end);
   - autocast is the trainer's, around the call: the compiled layers follow it.
-torch.compile compiles on a layer's first call (and again for a new mode, e.g.
-eval for validation); a failure there (no C++ compiler, an inductor bug) raises
+Shapes: a run's micro-batches come in many shapes ([rows, source length] and
+[rows, target length], one per length bucket and row count), so each layer's
+batch and length dimensions are marked dynamic (DYNAMIC_DIMS, on every call:
+torch._dynamo.maybe_mark_dynamic) and the rest stays static (d_model, the
+mask's broadcast dimensions of 1). One graph per layer class (the encoder's
+layers share one, the decoder's another) then serves every shape with at least
+2 rows and lengths of at least 2; no graph is built per step. Not compiling with
+dynamic=True: that makes every dimension duck-sized, and the first batch's
+coincidences (rows = source length, source length = target length) became
+guards, so the next shape without them built a second graph (tests/test_compile.py).
+A dimension of exactly 1 is specialised by torch (a size-1 dimension may
+broadcast): a micro-batch of 1 row (a step's last rows split over the GPUs),
+a length of 1 (an empty validation line), is a graph of its own, built once:
+at most one per layer class and combination of such dimensions.
+Validation (eval mode, no_grad) builds its own graphs, once.
+torch.compile compiles on a layer's first call with a new kind of shape or mode;
+a failure there (no C++ compiler, an inductor bug) raises
 torch._dynamo.exc.TorchDynamoException (COMPILE_FAILURES), and the trainer
 repeats the step eager after fallback(): one warning, the rest of the run eager.
+
+    seconds, graphs = compile_totals()  # this process's compiling so far: seconds (dynamo's and the backend's,
+                                        # the lazily compiled backward's too), graphs dynamo built
+
+The trainer counts the compiling inside its steps apart from the steps' time
+(metrics/train.json: compile_seconds, compile_graphs; tokens_per_second and mfu
+are over step_seconds less compile_seconds).
 
 $TRANSFORMER_COMPILE_BACKEND picks torch.compile's backend (default inductor);
 tests use aot_eager (dynamo and AOT autograd without inductor's C++ build) or
@@ -30,16 +52,26 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 
 import torch
 from torch import nn
 
-from model.transformer import Transformer
+from model.transformer import DecoderLayer, EncoderLayer, Transformer
 
 log = logging.getLogger(__name__)
 
 BACKEND_ENV = "TRANSFORMER_COMPILE_BACKEND"
 COMPILE_FAILURES: tuple[type[BaseException], ...] = (torch._dynamo.exc.TorchDynamoException,)
+
+
+# The dynamic dimensions of each layer's positional inputs: rows and lengths. EncoderLayer(x [B, S, D],
+# src_mask [B, 1, 1, S]); DecoderLayer(y [B, T, D], memory [B, S, D], src_mask [B, 1, 1, S]).
+DYNAMIC_DIMS: dict[type[nn.Module], tuple[tuple[int, ...], ...]] = {
+    EncoderLayer: ((0, 1), (0, 3)),
+    DecoderLayer: ((0, 1), (0, 1), (0, 3)),
+}
 
 
 def backend() -> str:
@@ -49,15 +81,65 @@ def backend() -> str:
 def compile_layers(model: Transformer) -> list[nn.Module]:
     """Compile every encoder and decoder layer of `model` in place; the layers compiled ([] and a warning on failure)."""
     layers = [*model.encoder, *model.decoder]
+    _clock.install()
     try:
         for layer in layers:
             # An instance attribute shadowing the class's forward: nn.Module.__call__ runs it, hooks and all.
-            layer.forward = torch.compile(layer.forward, dynamic=True, backend=backend())
+            layer.forward = marked(torch.compile(layer.forward, backend=backend()), DYNAMIC_DIMS[type(layer)])
     except COMPILE_FAILURES as e:
         fallback(layers, e)
         return []
     log.info("train.compile: %d encoder and decoder layers compiled (torch.compile, backend %s)", len(layers), backend())
     return layers
+
+
+def marked(forward, dims: tuple[tuple[int, ...], ...]):
+    """`forward` with the dimensions `dims` of its positional tensor arguments marked dynamic before each call
+    (a new tensor each call; a few microseconds). maybe_: a dimension torch specialises anyway (a size of 1)
+    is no error."""
+    def forward_marked(*args, **kwargs):
+        for arg, arg_dims in zip(args, dims):
+            torch._dynamo.maybe_mark_dynamic(arg, arg_dims)
+        return forward(*args, **kwargs)
+
+    return forward_marked
+
+
+class CompileClock:
+    """Seconds spent compiling in this process: from each compile's start to its end (dynamo's callbacks, which
+    enclose the tracing, the backend's build and a backward compiled lazily on its first call; nested compiles
+    count once)."""
+
+    def __init__(self):
+        self.seconds, self.started, self.lock = 0.0, None, threading.Lock()
+
+    def install(self) -> None:
+        """Register the callbacks, again after a torch._dynamo.reset() (which drops them)."""
+        from torch._dynamo.callback import callback_handler
+
+        with self.lock:
+            if self.start not in callback_handler.start_callbacks:
+                callback_handler.register_start_callback(self.start)
+            if self.end not in callback_handler.end_callbacks:
+                callback_handler.register_end_callback(self.end)
+
+    def start(self, _args) -> None:
+        self.started = time.perf_counter()
+
+    def end(self, _args) -> None:
+        if self.started is not None:
+            self.seconds += time.perf_counter() - self.started
+            self.started = None
+
+
+_clock = CompileClock()
+
+
+def compile_totals() -> tuple[float, int]:
+    """(seconds compiling, graphs dynamo built) in this process so far: the trainer takes their growth over a step.
+    The graphs are dynamo's own count (torch._dynamo.reset() keeps it)."""
+    _clock.install()  # a reset since compile_layers dropped the callbacks
+    return _clock.seconds, int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
 
 def uncompile(layers: list[nn.Module]) -> None:

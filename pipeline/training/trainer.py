@@ -116,9 +116,16 @@ class Progress:
     flops: float = 0.0
     elapsed_seconds: float = 0.0  # wall clock of the training loop (evaluation and checkpoints included)
     step_seconds: float = 0.0  # time in training steps only (tokens per second, MFU)
+    compile_seconds: float = 0.0  # of step_seconds, compiling (train.compile: graphs built inside a step)
+    compile_graphs: int = 0  # graphs torch.compile built inside steps
     valid: dict = field(default_factory=dict)
     plot_rows: list = field(default_factory=list)
     code_changes: list = field(default_factory=list)  # [{"step", "files"}]: resumed across a code change
+
+    @property
+    def train_seconds(self) -> float:
+        """Time in training steps, less their compiling: what tokens per second and MFU are over."""
+        return max(self.step_seconds - self.compile_seconds, 0.0)
 
 
 def params_hash(model_cfg: ModelConfig, train_cfg: TrainConfig, batch: BatchConfig | int, tokenized: Path,
@@ -202,7 +209,7 @@ class Trainer:
         self.progress = self.resume()
         # Compiled after resuming (load_state_dict on the plain module) and inside DDP, which stays eager.
         self.compiled = compiled.compile_layers(self.model) if cfg.compile else []
-        self.loss_model: nn.Module = SmoothedLoss(self.model, cfg.label_smoothing, chunked=not ctx.cuda)
+        self.loss_model: nn.Module = SmoothedLoss(self.model, cfg.label_smoothing)  # chunked: no [N, V] logits (model/loss.py)
         if ctx.world > 1 or torch.distributed.is_initialized():  # a group of one too: bench.gpu_check times DDP
             self.loss_model = distributed.ddp(self.loss_model, ctx)  # no buffer sync per forward, on any torch
         # Steps, validation and the rest of the process: the SDPA kernels chosen on CUDA (none changed on a CPU).
@@ -314,14 +321,17 @@ class Trainer:
         trace(ctx, p.step, mine[0], self.model)
         return loss_sum, sum(b.tokens for b, real in micro if real), lr
 
-    def compiled_or_eager(self, run):
+    def compiled_or_eager(self, run, step: bool = True):
         """run(); if the compiled layers fail to compile, back to eager (one warning) and run() again.
 
         A failure comes from a layer's forward, before any Adam update: the step's gradients so far are
-        dropped and the RNGs (dropout) put back, so the repeat is the step eager would have trained."""
+        dropped and the RNGs (dropout) put back, so the repeat is the step eager would have trained.
+        In a training step (`step`), the seconds and graphs spent compiling are added to the progress
+        (compile_seconds, compile_graphs), a failed compile's seconds too."""
         if not self.compiled:
             return run()
         rng = ckpt.capture_rng()
+        seconds, graphs = compiled.compile_totals()
         try:
             return run()
         except compiled.COMPILE_FAILURES as e:
@@ -330,12 +340,17 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             ckpt.restore_rng(rng)
             return run()
+        finally:
+            if step:
+                now_seconds, now_graphs = compiled.compile_totals()
+                self.progress.compile_seconds += max(now_seconds - seconds, 0.0)
+                self.progress.compile_graphs += max(now_graphs - graphs, 0)
 
     def validate(self) -> dict[str, float]:
         """Validation loss and perplexity of the current weights, over all ranks; kept in the progress."""
         p = self.progress
         p.valid = self.compiled_or_eager(
-            lambda: validate(self.model, self.valid, self.cfg.label_smoothing, self.ctx, self.autocast))
+            lambda: validate(self.model, self.valid, self.cfg.label_smoothing, self.ctx, self.autocast), step=False)
         log.info("step %d: valid loss %.4f, nll %.4f, ppl %.2f", p.step, p.valid["valid_loss"],
                  p.valid["valid_nll"], p.valid["valid_ppl"])
         self.run.log_metrics(p.valid, step=p.step)
@@ -411,12 +426,14 @@ class Trainer:
             self.validate()
         if saved_at != p.step:
             self.save()
-        if ctx.is_main and p.step_seconds:  # MFU <= 1: a run faster than the peak raises it
-            self.peak = peak.settle(self.peak, p.flops / (p.step_seconds * ctx.world))
+        if ctx.is_main and p.train_seconds:  # MFU <= 1: a run faster than the peak raises it
+            self.peak = peak.settle(self.peak, p.flops / (p.train_seconds * ctx.world))
         return self.metrics()
 
     def metrics(self) -> dict:
-        """metrics/train.json: flat, the DVC record of the run."""
+        """metrics/train.json: flat, the DVC record of the run. tokens_per_second and mfu are over the steps' time
+        less their compiling (step_seconds - compile_seconds: Progress.train_seconds), so a compiled run's rate
+        is its steady one; step_seconds is every step's time, compiling included."""
         p, world = self.progress, self.ctx.world
         hours = p.elapsed_seconds / 3600
         return {
@@ -427,12 +444,14 @@ class Trainer:
             **step_tokens_metrics(p),
             "train_hours": hours,
             "step_seconds": p.step_seconds,
+            "compile_seconds": p.compile_seconds,  # of step_seconds: train.compile building graphs (compiled.py)
+            "compile_graphs": p.compile_graphs,
             "flops_analytic": p.flops,
             "flops_paper_estimate": flops_lib.paper_estimate_flops(hours, world, self.peak.fp32_tflops),
-            "mfu": flops_lib.mfu(p.flops, p.step_seconds, world, self.peak.flops) if p.step_seconds and self.peak.flops else 0.0,
+            "mfu": flops_lib.mfu(p.flops, p.train_seconds, world, self.peak.flops) if p.train_seconds and self.peak.flops else 0.0,
             "peak_flops": self.peak.flops,
             "peak_flops_source": self.peak.source,
-            "tokens_per_second": p.train_tokens / p.step_seconds if p.step_seconds else 0.0,
+            "tokens_per_second": p.train_tokens / p.train_seconds if p.train_seconds else 0.0,
             "device": self.peak.device,
             "devices": world,
             "grad_accum": self.accum,
