@@ -31,7 +31,7 @@ def test_the_rehearsal_runs_every_stage_with_8_processes_and_1_process_agrees(tm
     out = result.stdout
     assert result.returncode == 0, out[-4000:] + result.stderr[-4000:]
 
-    for override in ("batch.max_tokens=200", "train.max_steps=5", "train.checkpoint_every=1",
+    for override in ("batch.max_tokens=1600", "train.max_steps=5", "train.checkpoint_every=1",
                      "model.dropout=0.0", "data.test[0].tgt.sha256="):
         assert f"override: {override}" in out
     for stage in STAGES:
