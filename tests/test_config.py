@@ -78,6 +78,16 @@ def test_missing_key_names_the_key(tmp_path):
         load(path, "train", TrainConfig)
 
 
+def test_a_key_with_a_default_may_be_left_out_and_is_still_checked(tmp_path):
+    """Keys added later (batch.length_bucket_step, train.micro_batch_tokens) keep older params files loading."""
+    path = write_params(tmp_path, lambda p: (p["train"].pop("micro_batch_tokens"), p["batch"].pop("length_bucket_step")))
+    assert load(path, "train", TrainConfig).micro_batch_tokens == 0
+    assert load(path, "batch", SECTIONS["batch"]).length_bucket_step == 1.0
+    path = write_params(tmp_path, lambda p: p["batch"].update(length_bucket_step=0.5))
+    with pytest.raises(ParamsError, match=r"batch\.length_bucket_step = 0\.5: expected a number in \[1, 2\]"):
+        load(path, "batch", SECTIONS["batch"])
+
+
 def test_unknown_key_names_the_key(tmp_path):
     path = write_params(tmp_path, lambda p: p["train"].update(warmup=4000))
     with pytest.raises(ParamsError, match=r"unknown key\(s\) train\.warmup\b"):
