@@ -20,7 +20,7 @@ import torch
 
 from model.config import ModelConfig
 from pipeline.training import distributed
-from pipeline.core.config import ParamsError, TrainConfig
+from pipeline.core.config import BatchConfig, ParamsError, TrainConfig
 from pipeline.training.trainer import params_hash
 from stages import train
 from tests.multinode_smoke import (TOLERANCE, final_weights, free_port, max_difference, node_processes,
@@ -164,7 +164,7 @@ def test_the_params_hash_counts_the_batches_of_a_step_not_the_processes(tmp_path
 
     def phash(devices: int, **train_keys) -> str:
         cfg = TrainConfig(**{**TRAIN, "devices": devices, **train_keys})
-        return params_hash(model, cfg, 24, tokenized, batches)
+        return params_hash(model, cfg, BatchConfig(max_tokens=24, seed=1), tokenized, batches)
 
     assert phash(1) == phash(2)  # 48 tokens per step = 2 stored batches of <= 24, any world
     assert phash(1) == phash(1, timeout_minutes=1.0)

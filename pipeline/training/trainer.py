@@ -128,19 +128,17 @@ class Progress:
         return max(self.step_seconds - self.compile_seconds, 0.0)
 
 
-def params_hash(model_cfg: ModelConfig, train_cfg: TrainConfig, batch: BatchConfig | int, tokenized: Path,
+def params_hash(model_cfg: ModelConfig, train_cfg: TrainConfig, batch: BatchConfig, tokenized: Path,
                 batches: Path) -> str:
     """sha256 of what shapes the weights: model, train (less NOT_WEIGHT_SHAPING), batch.max_tokens and
     length_bucket_step (how batches are padded), the data, and the stored batches per step, which the world size
-    does not change: 2 processes x 1 batch resume 1 process x 2 (and the reverse). `batch` may be max_tokens alone
-    (exact lengths)."""
-    max_tokens, step = (batch, 1.0) if isinstance(batch, int) else (batch.max_tokens, batch.length_bucket_step)
+    does not change: 2 processes x 1 batch resume 1 process x 2 (and the reverse)."""
     train = {k: v for k, v in asdict(train_cfg).items() if k not in NOT_WEIGHT_SHAPING}
-    step_batches = steps.batches_per_step(train_cfg.tokens_per_step, max_tokens)
+    step_batches = steps.batches_per_step(train_cfg.tokens_per_step, batch.max_tokens)
     files = [p for p in (tokenized / "meta.json", tokenized / "spm.model", *batch_paths(batches, "train")) if p.exists()]
-    bucketing = {"batch.length_bucket_step": step} if step != 1.0 else {}  # exact lengths: the hash of earlier runs
-    return ckpt.fingerprint({"model": asdict(model_cfg), "train": train, "batch.max_tokens": max_tokens,
-                             "batches_per_step": step_batches, **bucketing}, files)
+    return ckpt.fingerprint({"model": asdict(model_cfg), "train": train, "batch.max_tokens": batch.max_tokens,
+                             "batch.length_bucket_step": batch.length_bucket_step, "batches_per_step": step_batches},
+                            files)
 
 
 def plot_csv(rows: list[list]) -> str:
