@@ -11,6 +11,14 @@
   `tokenizer.perl -l {tgt}` does by default (escaping & < > ' " [ ] |),
   hyphenated compounds split with `s{(\\S)-(\\S)}{$1 ##AT##-##AT## $2}g`, then
   multi-bleu.perl (BLEU on whitespace tokens, no smoothing).
+- `bleu_lc_norm_tok` (Multi30k only, multi30k_bleu): the convention of the
+  multimodal-MT papers that publish Multi30k results, not sacreBLEU. Both sides
+  as the dataset's `scripts/task1-tokenize.sh` makes its `*.lc.norm.tok.*`
+  files: `lowercase.perl`, `normalize-punctuation.perl -l {tgt}`,
+  `tokenizer.perl -l {tgt} -a` (hyphens split as ` @-@ `), then ` @-@ ` joined
+  back to `-`; then BLEU on whitespace tokens, no smoothing (multi-bleu). On
+  test2016 the references hold 12,103 tokens that way, the count those papers
+  were scored against.
 
 Each score is as sacreBLEU prints it (2 decimals: 100.0 when hypothesis and
 reference agree, not 100.00000000000004). read_pair refuses a hypothesis file
@@ -104,6 +112,20 @@ def tokenized_bleu(hyps: list[str], refs: list[str], lang: str) -> float:
     # force: the input is tokenized on purpose; without it sacreBLEU warns "you forgot to detokenize"
     bleu = BLEU(tokenize="none", smooth_method="none", force=True)
     return printed(bleu.corpus_score(paper_tokenize(hyps, lang), [paper_tokenize(refs, lang)]))
+
+
+def lc_norm_tok(lines: list[str], lang: str) -> list[str]:
+    """Multi30k's lc.norm.tok form: lowercased, punctuation normalised, Moses-tokenized with hyphens split
+    aggressively, then the split hyphens (` @-@ `) joined back: "Saftig-grünes Gras." -> "saftig-grünes gras ."."""
+    normalizer, moses = MosesPunctNormalizer(lang=lang), MosesTokenizer(lang=lang)
+    return [moses.tokenize(normalizer.normalize(line.lower()), aggressive_dash_splits=True, return_str=True,
+                           escape=True).replace(" @-@ ", "-") for line in lines]
+
+
+def multi30k_bleu(hyps: list[str], refs: list[str], lang: str) -> float:
+    """BLEU on both sides' lc_norm_tok tokens, no further tokenization and no smoothing (multi-bleu)."""
+    bleu = BLEU(tokenize="none", smooth_method="none", force=True)
+    return printed(bleu.corpus_score(lc_norm_tok(hyps, lang), [lc_norm_tok(refs, lang)]))
 
 
 def score(hyps: list[str], refs: list[str], lang: str, tokenize: str) -> Scores:

@@ -7,13 +7,17 @@ valid splits, data/translations/{split}.{tgt} (detokenized hypotheses) is
 scored against the raw references data/raw/{split}.{tgt}: `bleu` and `chrf`
 (sacreBLEU on detokenized text, tokenizer `evaluate.tokenize`, mixed case: the
 numbers to compare across papers) and `bleu_tokenized` (the paper's number,
-tensor2tensor's get_ende_bleu.sh); pipeline/scoring.py says how each is computed.
+tensor2tensor's get_ende_bleu.sh); on Multi30k (`data.name` multi30k) also
+`bleu_lc_norm_tok`, the multimodal-MT papers' BLEU on the dataset's
+lowercased, normalised, Moses-tokenized text (not sacreBLEU: a figure to set
+beside those papers'). pipeline/scoring.py says how each is computed.
 
 metrics/eval.json is flat: the test set under plain keys (bleu, chrf,
-bleu_tokenized, signature, chrf_signature), the dev set as valid_bleu,
-valid_chrf, valid_bleu_tokenized, each as sacreBLEU prints it (2 decimals:
+bleu_tokenized, [bleu_lc_norm_tok,] signature, chrf_signature), the dev set
+as valid_bleu, valid_chrf, valid_bleu_tokenized[, valid_bleu_lc_norm_tok], each as sacreBLEU prints it (2 decimals:
 100.0 when hypothesis and reference agree, not 100.00000000000004). The last
-line on stdout is `BLEU = xx.x (sacreBLEU signature: ...)`. A hypothesis file
+line on stdout is `BLEU = xx.x (sacreBLEU signature: ...)`, after the
+Multi30k line `Multi30k lc.norm.tok BLEU = xx.xx (...)` where it applies. A hypothesis file
 that is empty or whose line count differs from its reference is an error, and
 no metrics are written. The MLflow run keeps the hypotheses and references scored
 (artifacts `hypotheses/` and `references/`), for `python -m tools.compare`.
@@ -29,9 +33,12 @@ from pipeline.core import cli, config, tracking
 from pipeline.core.config import DataConfig, EvaluateConfig
 from pipeline.core.files import write_json
 from pipeline.corpus.formats import DECODED_SPLITS
-from pipeline.scoring import read_pair, score
+from pipeline.scoring import multi30k_bleu, read_pair, score
 
 log = logging.getLogger(__name__)
+
+MULTI30K = "multi30k"  # data.name of the corpus whose papers report bleu_lc_norm_tok
+LC_NORM_TOK = "lowercased, punctuation normalised, Moses-tokenized as Multi30k's task1-tokenize.sh; not sacreBLEU"
 
 
 def metrics_prefix(split: str) -> str:
@@ -39,8 +46,9 @@ def metrics_prefix(split: str) -> str:
     return "" if split == "test" else f"{split}_"
 
 
-def score_splits(translations: Path, raw: Path, lang: str, tokenize: str) -> dict:
-    """Flat metrics for every decoded split; nothing is returned unless every split could be read."""
+def score_splits(translations: Path, raw: Path, lang: str, tokenize: str, multi30k: bool = False) -> dict:
+    """Flat metrics for every decoded split (with `multi30k`, bleu_lc_norm_tok too); nothing is returned unless
+    every split could be read."""
     pairs = {split: read_pair(translations / f"{split}.{lang}", raw / f"{split}.{lang}") for split in DECODED_SPLITS}
     metrics: dict = {}
     for split in DECODED_SPLITS:
@@ -49,6 +57,9 @@ def score_splits(translations: Path, raw: Path, lang: str, tokenize: str) -> dic
         log.info("%s: BLEU %.2f, chrF %.2f, tokenized BLEU %.2f (%d sentences)",
                  split, s.bleu, s.chrf, s.bleu_tokenized, len(pairs[split][0]))
         metrics.update({f"{prefix}bleu": s.bleu, f"{prefix}chrf": s.chrf, f"{prefix}bleu_tokenized": s.bleu_tokenized})
+        if multi30k:
+            metrics[f"{prefix}bleu_lc_norm_tok"] = multi30k_bleu(*pairs[split], lang)
+            log.info("%s: Multi30k lc.norm.tok BLEU %.2f (%s)", split, metrics[f"{prefix}bleu_lc_norm_tok"], LC_NORM_TOK)
         if not prefix:
             metrics.update(signature=s.signature, chrf_signature=s.chrf_signature)
     return metrics
@@ -57,15 +68,18 @@ def score_splits(translations: Path, raw: Path, lang: str, tokenize: str) -> dic
 def main(argv: list[str] | None = None) -> None:
     args = cli.start(__doc__, argv, "translations", "raw", "metrics")
     cfg = config.load(args.params, "evaluate", EvaluateConfig)
-    lang = config.load(args.params, "data", DataConfig).tgt_lang
+    data = config.load(args.params, "data", DataConfig)
+    lang, multi30k = data.tgt_lang, data.name == MULTI30K
     with tracking.stage_run("evaluate", args) as run:
-        run.log_params({"evaluate": asdict(cfg), "data": {"tgt_lang": lang}})
-        metrics = score_splits(args.translations, args.raw, lang, cfg.tokenize)
+        run.log_params({"evaluate": asdict(cfg), "data": {"tgt_lang": lang, "name": data.name}})
+        metrics = score_splits(args.translations, args.raw, lang, cfg.tokenize, multi30k)
         for split in DECODED_SPLITS:  # what tools.compare tests for significance, with the reference it was scored on
             run.log_artifact(args.translations / f"{split}.{lang}", "hypotheses")
             run.log_artifact(args.raw / f"{split}.{lang}", "references")
         write_json(args.metrics, metrics)
         run.log_metrics({k: v for k, v in metrics.items() if isinstance(v, float)})
+    if multi30k:
+        print(f"Multi30k lc.norm.tok BLEU = {metrics['bleu_lc_norm_tok']:.2f} ({LC_NORM_TOK})", flush=True)
     print(f"BLEU = {metrics['bleu']:.1f} (sacreBLEU signature: {metrics['signature']})", flush=True)
 
 

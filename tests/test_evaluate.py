@@ -167,3 +167,43 @@ def test_tokenized_bleu_replaces_unicode_punctuation_in_the_hypotheses_only():
     ascii_ref = scoring.replace_unicode_punctuation(ref, "de")
     assert scoring.tokenized_bleu(ascii_ref, ascii_ref, "de") == pytest.approx(100.0)
     assert scoring.tokenized_bleu(ascii_ref, ref, "de") == scoring.tokenized_bleu(ref, ref, "de")
+
+
+# Multi30k's lc.norm.tok form of each line, as task1-tokenize.sh (lowercase.perl | normalize-punctuation.perl -l de |
+# tokenizer.perl -l de -a) with ` @-@ ` joined back writes it: compounds stay whole, quotes and apostrophes are split
+# off and escaped, typographic punctuation is normalised first.
+LC_NORM_TOK = {
+    "Ein Boston Terrier läuft über saftig-grünes Gras vor einem weißen Zaun.":
+        "ein boston terrier läuft über saftig-grünes gras vor einem weißen zaun .",
+    "Zwei Jungen essen ihr McDonald's-Menü im Außenbereich, umgeben von vielen Anderen.":
+        "zwei jungen essen ihr mcdonald &apos; s-menü im außenbereich , umgeben von vielen anderen .",
+    "Eine Frau hält einen großen Scheck für „Kids Food Basket“.":
+        "eine frau hält einen großen scheck für &quot; kids food basket &quot; .",
+    "Ein Mann – mit Hut – spielt Hals-Nasen-Ohren-Arzt.": "ein mann - mit hut - spielt hals-nasen-ohren-arzt .",
+    "Das ist Peter’s Fahrrad…": "das ist peter &apos; s fahrrad ...",
+}
+
+
+def test_multi30k_lc_norm_tok_is_the_datasets_own_tokenized_form():
+    assert scoring.lc_norm_tok(list(LC_NORM_TOK), "de") == list(LC_NORM_TOK.values())
+
+
+def test_multi30k_bleu_is_scored_on_lowercased_tokens_and_printed_apart_from_sacrebleu(tmp_path, capsys):
+    # Case and a split-off full stop are all that differ: lc.norm.tok BLEU is 100, sacreBLEU (mixed case) is not.
+    refs = {"test": ["Ein Mann fährt Mountain-Bike.", "Zwei Kinder spielen im Garten."],
+            "valid": ["Ein Hund springt über den Zaun."]}
+    hyps = {"test": ["ein mann fährt mountain-bike .", "zwei Kinder spielen im Garten ."],
+            "valid": ["Ein Hund springt über einen Zaun."]}
+    metrics = json.loads(run(tmp_path, hyps, refs).read_text())
+    assert metrics["bleu_lc_norm_tok"] == 100.0 and metrics["bleu"] < 100
+    # valid: 7 tokens a side, one wrong: n-gram precisions 6/7, 4/6, 2/5, 1/4, no brevity penalty
+    assert metrics["valid_bleu_lc_norm_tok"] == float(f"{100 * (6 / 7 * 4 / 6 * 2 / 5 * 1 / 4) ** 0.25:.2f}") == 48.89
+    *_, multi30k, last = capsys.readouterr().out.strip().splitlines()
+    assert multi30k.startswith("Multi30k lc.norm.tok BLEU = 100.00 (") and "not sacreBLEU" in multi30k
+    assert last.startswith("BLEU = ")
+
+
+def test_a_corpus_other_than_multi30k_has_no_lc_norm_tok_bleu(tmp_path, monkeypatch):
+    monkeypatch.setattr(evaluate, "MULTI30K", "not-this-corpus")
+    metrics = json.loads(run(tmp_path).read_text())
+    assert not any("lc_norm_tok" in key for key in metrics) and "bleu_tokenized" in metrics
