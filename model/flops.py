@@ -19,6 +19,7 @@ import re
 import time
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -40,8 +41,9 @@ def forward_flops(cfg: ModelConfig, vocab_size: int, src_lens: Sequence[int] | T
       feed-forward            2 * 2*L*D*d_ff for L = S (encoder) or T (decoder)
     plus the output projection 2*T*D*V over target tokens. Padding is not counted.
     """
-    S, T = torch.as_tensor(src_lens).double(), torch.as_tensor(tgt_lens).double()
-    if S.shape != T.shape or S.dim() != 1:
+    # numpy: host arithmetic on host lengths (a training step counts them), no tensor made or read
+    S, T = np.asarray(src_lens, dtype=np.float64), np.asarray(tgt_lens, dtype=np.float64)
+    if S.shape != T.shape or S.ndim != 1:
         raise ValueError(f"src_lens and tgt_lens: expected two 1-D sequences of equal length, got {S.shape}, {T.shape}")
     D, H, d_k, d_v, d_ff = cfg.d_model, cfg.n_heads, cfg.d_k, cfg.d_v, cfg.d_ff
     s, t, s2, t2, ts = (float(x.sum()) for x in (S, T, S * S, T * T, T * S))

@@ -5,7 +5,12 @@ takes the decoder's hidden states and that matrix, and the [N, V] logits are
 never held whole, on CPUs and GPUs alike: projected_smoothed_loss, which
 loss_path routes to ProjectedSmoothedLoss (ours, chunk by chunk of rows, its
 matrix products in autocast's precision) or to torch's F.linear_cross_entropy
-where that computes this loss chunked.
+where that computes this loss chunked. On GPUs ours computes each full chunk
+with one compiled function (fused_chunk: a few passes over the chunk's logits,
+not ten); on CPUs eagerly. Validation's loss and NLL are chunked the same way,
+without gradients (projected_smoothed_and_nll). Nothing here reads a tensor's
+value or copies a Python number to the device: a GPU step never waits on the
+host (tests/test_step_syncs.py).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from model.transformer import Transformer
 
@@ -81,11 +87,13 @@ class ProjectedSmoothedLoss(torch.autograd.Function):
 
     CHUNK = 512  # rows per chunk: measured best on a 2-core CPU for V = 8000 (256: +3%, 1024: +1%)
     GPU_CHUNK = 4096  # rows per chunk on GPUs: chunk_rows
+    COMPILE_BACKEND = "inductor"  # torch.compile's backend for the fused chunk (tests: aot_eager, no C++ build)
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, label_smoothing: float,
-                dtype: torch.dtype | None = None, chunk: int | None = None, grads: bool = True) -> Tensor:
-        eps, V, chunk = label_smoothing, weight.shape[0], chunk or ProjectedSmoothedLoss.CHUNK
+                dtype: torch.dtype | None = None, chunk: int | None = None, grads: bool = True,
+                fused: bool = False) -> Tensor:
+        eps, chunk = label_smoothing, chunk or ProjectedSmoothedLoss.CHUNK
         w = weight if dtype is None else weight.to(dtype)  # [V, D], cast once (as autocast casts it per product)
         loss = torch.zeros((), dtype=torch.float64, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if grads else None
@@ -95,32 +103,25 @@ class ProjectedSmoothedLoss(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk):
             h = hidden[start : start + chunk]  # [n, D]
             y = targets[start : start + chunk]
-            if dtype is None:
-                z = h @ weight.t()  # [n, V]
-            else:
+            if dtype is not None:
                 h = h.to(dtype)
-                z = (h @ w.t()).float()  # the product in bf16 / fp16, all that follows it in fp32
-            z_y, z_mean, z_max = z.gather(1, y[:, None])[:, 0], z.mean(dim=-1), z.amax(dim=-1, keepdim=True)
-            e = z.sub_(z_max).exp_()  # exp(z - max z), in place of z
-            total = e.sum(dim=-1, keepdim=True)
-            lse = (z_max + total.log())[:, 0]
-            # -sum_k q_k log softmax(z)_k = lse - (1 - eps) z_y - eps mean_k z_k
-            loss += (lse - (1 - eps) * z_y - eps * z_mean).sum().double()
+            z = h @ w.t()  # [n, V]: the product in bf16 / fp16 (all that follows it in fp32), or fp32
+            if fused and grads and len(y) == chunk:  # a full chunk: one shape, one graph
+                part, g, scale = _fused(z, y, eps, dtype, h, w)
+            else:
+                part, g, scale = _chunk(z.float(), y, eps, dtype, h, w, grads)
+            loss += part.double()
             if not grads:
                 continue
-            g = torch.addcmul(e.new_tensor(-eps / V), e, total.reciprocal(), out=e)  # softmax(z) - eps / V
-            g[torch.arange(len(y), device=g.device), y] -= 1 - eps
+            rows = slice(start, start + len(y))
             if dtype is None:
-                grad_hidden[start : start + len(y)] = g @ weight
+                grad_hidden[rows] = g @ weight
                 grad_weight.addmm_(g.t(), h)
-            elif dtype == torch.float16:
-                scale = _fp16_scale(g, h, w)
-                g = g.mul_(scale).to(dtype)
-                grad_hidden[start : start + len(y)] = (g @ w).float().div_(scale)
+            elif scale is not None:  # fp16: g was scaled by a power of two, unscaled here in fp32, exactly
+                grad_hidden[rows] = (g @ w).float().div_(scale)
                 grad_weight.addcdiv_(g.t() @ h, scale)  # fp16 product, unscaled and summed in fp32
             else:
-                g = g.to(dtype)
-                grad_hidden[start : start + len(y)] = g @ w
+                grad_hidden[rows] = g @ w
                 grad_weight.add_(g.t() @ h)  # bf16 product, summed over chunks in fp32
         ctx.weight_dtype = weight.dtype
         if grads:
@@ -128,9 +129,64 @@ class ProjectedSmoothedLoss(torch.autograd.Function):
         return loss.to(torch.promote_types(hidden.dtype, torch.float32))  # fp32 for bf16 / fp16 hidden states too
 
     @staticmethod
-    def backward(ctx, grad_loss: Tensor) -> tuple[Tensor, Tensor, None, None, None, None, None]:
+    def backward(ctx, grad_loss: Tensor) -> tuple[Tensor, Tensor, None, None, None, None, None, None]:
         grad_hidden, grad_weight = ctx.saved_tensors
-        return grad_hidden * grad_loss, (grad_weight * grad_loss).to(ctx.weight_dtype), None, None, None, None, None
+        nones = (None,) * 6  # targets, label_smoothing, dtype, chunk, grads, fused
+        return grad_hidden * grad_loss, (grad_weight * grad_loss).to(ctx.weight_dtype), *nones
+
+
+def _softmax_terms(z: Tensor, y: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(e, total, lse, z_y, mean z) of fp32 logits z [n, V], e = exp(z - max z) in place of z, total its row sums."""
+    z_y, z_mean, z_max = z.gather(1, y[:, None])[:, 0], z.mean(dim=-1), z.amax(dim=-1, keepdim=True)
+    e = z.sub_(z_max).exp_()  # exp(z - max z), in place of z
+    total = e.sum(dim=-1, keepdim=True)
+    lse = (z_max + total.log())[:, 0]
+    return e, total, lse, z_y, z_mean
+
+
+def _chunk(z: Tensor, y: Tensor, eps: float, dtype: torch.dtype | None, h: Tensor, w: Tensor,
+           grads: bool) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """One chunk's loss sum, logit gradient (None without `grads`) and fp16 scale, eagerly, in place of z [n, V] fp32.
+
+    -sum_k q_k log softmax(z)_k = lse - (1 - eps) z_y - eps mean_k z_k; the
+    gradient softmax(z) - q. Every constant is a Python number given to the op
+    that uses it: a tensor made from one on the host is a copy the host waits for
+    on a GPU.
+    """
+    e, total, lse, z_y, z_mean = _softmax_terms(z, y)
+    loss = (lse - (1 - eps) * z_y - eps * z_mean).sum()
+    if not grads:
+        return loss, None, None
+    minus = torch.full((), -eps / z.shape[1], dtype=e.dtype, device=e.device)  # a fill on the device, no copy
+    g = torch.addcmul(minus, e, total.reciprocal(), out=e)  # softmax(z) - eps / V
+    g[torch.arange(len(y), device=g.device), y] -= 1 - eps
+    return (loss, *_in_product_dtype(g, dtype, h, w))
+
+
+def fused_chunk(z: Tensor, y: Tensor, eps: float, dtype: torch.dtype | None, h: Tensor,
+                w: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+    """_chunk's loss sum, logit gradient and fp16 scale as one function of the logits z [n, V] (the product's dtype).
+
+    Written for torch.compile (_fused): no in-place updates of z and the
+    one-hot target as a comparison, so the compiler makes of it a few passes
+    over z (its maxima, the sums of exp, then the gradient, written once in the
+    products' dtype) instead of _chunk's ten eager ones, still all in fp32.
+    """
+    z = z.float()
+    z_max = z.amax(dim=-1, keepdim=True)
+    lse = z_max + (z - z_max).exp().sum(dim=-1, keepdim=True).log()  # [n, 1]
+    loss = (lse[:, 0] - (1 - eps) * z.gather(1, y[:, None])[:, 0] - eps * z.mean(dim=-1)).sum()
+    target = torch.arange(z.shape[1], device=z.device) == y[:, None]  # [n, V], the one-hot
+    g = (z - lse).exp() - eps / z.shape[1]
+    return (loss, *_in_product_dtype(torch.where(target, g - (1 - eps), g), dtype, h, w))
+
+
+def _in_product_dtype(g: Tensor, dtype: torch.dtype | None, h: Tensor, w: Tensor) -> tuple[Tensor, Tensor | None]:
+    """The fp32 logit gradient g as the products take it: (g, None) for fp32, cast for bf16; fp16: (s g, s)."""
+    if dtype == torch.float16:
+        scale = _fp16_scale(g, h, w)
+        return g.mul_(scale).to(dtype), scale
+    return (g if dtype is None else g.to(dtype)), None
 
 
 def _fp16_scale(g: Tensor, h: Tensor, w: Tensor) -> Tensor:
@@ -144,6 +200,34 @@ def _fp16_scale(g: Tensor, h: Tensor, w: Tensor) -> Tensor:
     """
     bound = torch.maximum(2 * w.abs().amax().float(), g.abs().sum(dim=0).amax() * h.abs().amax().float())
     return torch.exp2(torch.floor(torch.log2(2.0**15 / bound.clamp(min=1.0))))
+
+
+_fused_failed = False  # compiling fused_chunk failed once: eager from then on
+
+
+@functools.cache
+def _compiled_chunk(backend: str):
+    """fused_chunk compiled for static shapes: one graph per chunk shape and precision, built on its first call."""
+    return torch.compile(fused_chunk, backend=backend, dynamic=False, fullgraph=True)
+
+
+def _fused(z: Tensor, y: Tensor, eps: float, dtype: torch.dtype | None, h: Tensor,
+           w: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+    """fused_chunk compiled; if compiling fails, _chunk eagerly, then and for the rest of the process (one warning).
+
+    Eager too, with no warning, under a dispatch mode (FlopCounterMode, an op
+    recorder), where torch.compile does not run.
+    """
+    global _fused_failed
+    if not _fused_failed and _get_current_dispatch_mode() is None:
+        try:
+            return _compiled_chunk(ProjectedSmoothedLoss.COMPILE_BACKEND)(z, y, eps, dtype, h, w)
+        except torch._dynamo.exc.TorchDynamoException as e:
+            _fused_failed = True
+            reason = " ".join(str(e).split())[:300] or type(e).__name__
+            warnings.warn(f"the fused loss chunk did not compile (torch.compile, backend "
+                          f"{ProjectedSmoothedLoss.COMPILE_BACKEND}); computing it eagerly: {type(e).__name__}: {reason}")
+    return _chunk(z.float(), y, eps, dtype, h, w, True)
 
 
 @functools.cache
@@ -220,7 +304,10 @@ def projected_smoothed_loss(hidden: Tensor, weight: Tensor, targets: Tensor, lab
     Follows autocast: on where the call is, the matrix products run in its
     bf16 / fp16 and the sums in fp32; off (CPU training), all in fp32 as
     before, to the bit. The loss is fp32 (or hidden's dtype, if wider).
-    `path` ("torch" / "ours") overrides loss_path's choice (tests).
+    `path` ("torch" / "ours") overrides loss_path's choice (tests). On GPUs
+    ours computes its full chunks with the compiled fused_chunk (the last,
+    shorter one eagerly: no graph per row count); on CPUs eagerly, chunk by
+    chunk as before (compiled, a CPU gives other bits and no speed: bench/loss.py).
     """
     device, dtype = hidden.device, low_precision(hidden.device)
     with torch.autocast(device.type, enabled=False):  # the precision is chosen here, explicitly
@@ -228,7 +315,7 @@ def projected_smoothed_loss(hidden: Tensor, weight: Tensor, targets: Tensor, lab
             return _torch_loss(hidden, weight, targets, label_smoothing, dtype, chunk_rows(device)).float()
         grads = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
         return ProjectedSmoothedLoss.apply(hidden if dtype is not None else hidden.float(), weight, targets,
-                                           label_smoothing, dtype, chunk_rows(device), grads)
+                                           label_smoothing, dtype, chunk_rows(device), grads, device.type != "cpu")
 
 
 class SmoothedLoss(nn.Module):
@@ -259,9 +346,24 @@ class SmoothedLoss(nn.Module):
         return F.cross_entropy(logits, targets, label_smoothing=self.label_smoothing, reduction="sum")
 
 
-def smoothed_and_nll(logits: Tensor, targets: Tensor, label_smoothing: float) -> tuple[Tensor, Tensor]:
-    """Summed label-smoothed cross-entropy and summed plain NLL of the same logits."""
-    logp = logits.float().log_softmax(dim=-1)
-    nll = -logp.gather(1, targets[:, None]).sum()
-    uniform = -logp.mean(dim=-1).sum()  # cross-entropy against the uniform distribution over V
-    return (1 - label_smoothing) * nll + label_smoothing * uniform, nll
+def projected_smoothed_and_nll(hidden: Tensor, weight: Tensor, targets: Tensor,
+                               label_smoothing: float) -> tuple[Tensor, Tensor]:
+    """Summed label-smoothed cross-entropy and summed plain NLL of hidden @ weight^T, chunk by chunk, no gradients.
+
+    What validation reports: the [N, V] logits never whole (only chunk_rows of
+    them at a time), the products in autocast's precision where the call is under
+    autocast, the log-sum-exp and the sums in fp32, each chunk's added in fp64.
+    Returns two 0-dim fp64 tensors (smoothed, nll), read by the caller when it needs them.
+    """
+    device, dtype = hidden.device, low_precision(hidden.device)
+    compute, eps = dtype or torch.float32, label_smoothing
+    sums = torch.zeros(2, dtype=torch.float64, device=device)  # smoothed, nll
+    with torch.no_grad(), torch.autocast(device.type, enabled=False):
+        w = weight.to(compute)  # [V, D]
+        for start in range(0, hidden.shape[0], chunk_rows(device)):
+            h = hidden[start : start + chunk_rows(device)].to(compute)  # [n, D]
+            y = targets[start : start + chunk_rows(device)]
+            _, _, lse, z_y, z_mean = _softmax_terms((h @ w.t()).float(), y)  # [n, V] fp32, in place
+            sums[0] += (lse - (1 - eps) * z_y - eps * z_mean).sum().double()
+            sums[1] += (lse - z_y).sum().double()
+    return sums[0], sums[1]

@@ -3,6 +3,8 @@ never holds the whole [N, V] logits in fp32; torch's F.linear_cross_entropy path
 
 from __future__ import annotations
 
+import contextlib
+import math
 import warnings
 
 import pytest
@@ -14,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from model import loss as loss_lib
 from model.config import ModelConfig
 from model.transformer import Transformer
-from tests.train_fixtures import MODEL, VOCAB
+from tests.train_fixtures import MODEL, VOCAB, write_corpus
 
 N, D, V, CHUNK, EPS = 50, 8, 40, 16, 0.1  # N not a multiple of CHUNK: four chunks, the last one of 2 rows
 CPU = torch.device("cpu")
@@ -223,3 +225,97 @@ def test_torchs_loss_serves_only_if_it_chunks_and_sums_in_fp32(monkeypatch, flaw
     monkeypatch.setattr(F, "linear_cross_entropy", fake, raising=False)
     monkeypatch.setattr(torch.nn, "LinearCrossEntropyOptions", lambda **kwargs: None, raising=False)
     assert not loss_lib.torch_loss_serves(CPU, torch.bfloat16, EPS)
+
+
+# --- (d) the fused chunk (GPUs: compiled), and validation chunked ----------------------------------------------------
+
+@pytest.fixture
+def compiled_with(monkeypatch):
+    """Compile the fused chunk with `backend` (aot_eager: dynamo and AOT autograd, aten kernels, no C++ build)."""
+    def use(backend: str) -> None:
+        monkeypatch.setattr(loss_lib.ProjectedSmoothedLoss, "COMPILE_BACKEND", backend)
+        monkeypatch.setattr(loss_lib, "_fused_failed", False)
+        loss_lib._compiled_chunk.cache_clear()
+        torch._dynamo.reset()
+
+    yield use
+    loss_lib._compiled_chunk.cache_clear()
+    torch._dynamo.reset()
+
+
+TOLERANCES = {None: dict(loss=1e-5, grad=1e-5), torch.bfloat16: dict(loss=1e-2, grad=0.05),
+              torch.float16: dict(loss=1e-2, grad=0.05)}  # as (a) and (b) above
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_the_compiled_fused_chunk_equals_cross_entropy(compiled_with, dtype):
+    compiled_with("aot_eager")
+    hidden, weight, targets = inputs()
+    want = reference(hidden, weight, targets)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback to eager
+        got = loss_and_grads(lambda h, w: loss_lib.ProjectedSmoothedLoss.apply(h, w, targets, EPS, dtype, CHUNK, True,
+                                                                                True), hidden, weight)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 1  # full chunks: one graph, reused
+    tol = TOLERANCES[dtype]
+    assert got[0].dtype == torch.float32
+    torch.testing.assert_close(got[0], want[0], rtol=tol["loss"], atol=1e-5)
+    for g, w in zip(got[1:], want[1:]):
+        torch.testing.assert_close(g, w, rtol=tol["grad"], atol=tol["grad"] * float(w.abs().max()))
+
+
+def test_the_fused_chunk_falls_back_to_eager_with_one_warning_if_it_cannot_compile(compiled_with):
+    compiled_with("no-such-backend")
+    hidden, weight, targets = inputs()
+    eager = loss_and_grads(lambda h, w: loss_lib.ProjectedSmoothedLoss.apply(h, w, targets, EPS, None, CHUNK),
+                           hidden, weight)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            got = loss_and_grads(lambda h, w: loss_lib.ProjectedSmoothedLoss.apply(h, w, targets, EPS, None, CHUNK,
+                                                                                    True, True), hidden, weight)
+    assert [str(w.message)[:35] for w in caught] == ["the fused loss chunk did not compil"]
+    assert all(torch.equal(g, e) for g, e in zip(got, eager))  # the eager chunk, exactly
+
+
+def valid_setup(tmp_path):
+    from pipeline.training.loader import TrainingData
+
+    data = TrainingData.load(*write_corpus(tmp_path, n_valid=40))
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(**MODEL), VOCAB)
+    return model, data.valid_share(0, 1, MODEL["max_positions"], CPU)[0]
+
+
+def whole_logits_validation(model, batches, autocast) -> dict[str, float]:
+    """Validation as it was computed with the whole [N, V] logits of every batch (log_softmax in fp32)."""
+    smoothed = nll = tokens = 0.0
+    with torch.no_grad():
+        for b in batches:
+            with autocast:
+                hidden, targets = loss_lib.real_hidden(model, b.src, b.tgt_in, b.labels, b.tokens)
+                logits = model.project(hidden).float()
+            nll += F.cross_entropy(logits, targets, reduction="sum").item()
+            smoothed += F.cross_entropy(logits, targets, label_smoothing=EPS, reduction="sum").item()
+            tokens += b.tokens
+    return {"valid_loss": smoothed / tokens, "valid_nll": nll / tokens, "valid_ppl": math.exp(nll / tokens)}
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["fp32", "bf16 autocast"])
+def test_validation_computes_the_loss_chunked_and_equals_the_whole_logits(tmp_path, monkeypatch, dtype):
+    from pipeline.training import distributed
+    from pipeline.training.trainer import validate
+
+    monkeypatch.setattr(loss_lib.ProjectedSmoothedLoss, "CHUNK", 4)
+    model, batches = valid_setup(tmp_path)
+    autocast = torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext()
+    want = whole_logits_validation(model, batches, autocast)
+    with Ops() as ops:
+        got = validate(model, batches, EPS, distributed.Dist(0, 1, 0, CPU), autocast)
+    rel = 1e-6 if dtype is None else 1e-2
+    assert got == pytest.approx(want, rel=rel)
+    largest = max(b.tokens for b in batches)
+    assert largest > 4 and ops.rows_of(torch.float32, VOCAB) == 4  # a chunk's logits, not a batch's [N, V]
+    if dtype:
+        assert ops.rows_of(dtype, VOCAB) == 4

@@ -95,7 +95,7 @@ def test_label_smoothed_loss_matches_a_hand_computation():
         logp = [v - log_z for v in row]
         # q = (1 - eps) * one_hot(y) + eps / V (Szegedy et al. 2016, as Sec. 5.4 cites); loss = -sum q log p
         expected += -sum(((1 - eps) * (k == y) + eps / 3) * logp[k] for k in range(3))
-    smoothed, nll = loss_lib.smoothed_and_nll(logits, targets, eps)
+    smoothed, nll = loss_lib.projected_smoothed_and_nll(logits, torch.eye(3), targets, eps)  # logits @ I^T: logits
     assert smoothed.item() == pytest.approx(expected, rel=1e-6)
     assert F.cross_entropy(logits, targets, label_smoothing=eps, reduction="sum").item() == pytest.approx(expected, rel=1e-6)
     assert nll.item() == pytest.approx(F.cross_entropy(logits, targets, reduction="sum").item(), rel=1e-6)

@@ -55,7 +55,7 @@ from pipeline.progress import progress_bar
 
 from model import flops as flops_lib
 from model.config import ModelConfig
-from model.loss import SmoothedLoss, real_hidden, smoothed_and_nll
+from model.loss import SmoothedLoss, projected_smoothed_and_nll, real_hidden
 from model.schedule import lrate
 from model.transformer import Transformer
 from pipeline.weights import checkpoint as ckpt
@@ -86,16 +86,17 @@ TRACE_ENV = "STAGES_TRAIN_TRACE"
 
 @torch.no_grad()
 def validate(model: Transformer, batches: list[Batch], label_smoothing: float, ctx: Dist, autocast) -> dict[str, float]:
-    """valid_loss (label-smoothed) and valid_nll per real target token, valid_ppl = exp(nll), over all ranks."""
+    """valid_loss (label-smoothed) and valid_nll per real target token, valid_ppl = exp(nll), over all ranks.
+
+    The loss chunked as in training (projected_smoothed_and_nll): no [N, V] logits, whatever a batch's size."""
     model.eval()
     sums = torch.zeros(3, dtype=torch.float64, device=ctx.device)  # smoothed, nll, tokens
     for b in batches:
         with autocast:
             hidden, targets = real_hidden(model, b.src, b.tgt_in, b.labels, b.tokens)
-            logits = model.project(hidden)
-        smoothed, nll = smoothed_and_nll(logits, targets, label_smoothing)
-        sums[0] += smoothed.double()
-        sums[1] += nll.double()
+            smoothed, nll = projected_smoothed_and_nll(hidden, model.embedding.weight, targets, label_smoothing)
+        sums[0] += smoothed
+        sums[1] += nll
         sums[2] += b.tokens
     model.train()
     smoothed, nll, tokens = distributed.all_sum(sums, ctx).tolist()
