@@ -1,4 +1,4 @@
-"""The loader's host time a step at two corpus sizes: what the prefetch thread does per step must not grow with the corpus.
+"""The loader's host time a step at two corpus sizes: a step's data work must not grow with the corpus.
 
     python -m bench.loader_host [--pairs 300000 4500000] [--steps 200] [--world 8]
 
