@@ -8,10 +8,12 @@ OVERRIDEs are Hydra overrides of conf/, as `dvc exp run -S` takes them, e.g.
 the batch stage (into a temporary directory), trains the composed model with the
 train stage's Trainer (pipeline/training/trainer.py: same loss, schedule, optimizer and
 accumulation), and prints the valid perplexity every `--every` million real
-target tokens, then greedy BLEU (sacreBLEU, 13a) on the test split. Counting tokens
+target tokens, then greedy BLEU (sacreBLEU, 13a, and Multi30k's lc.norm.tok BLEU) on
+the validation split: choices are made on validation data, never on test2016,
+which is scored once per final candidate by the pipeline. Counting tokens
 rather than minutes makes runs comparable on a busy machine: two can run side
-by side (`--threads 1` each). This is how the default preset's batch size,
-schedule and initialisation were chosen (docs/results.md, "Choosing the small model").
+by side (`--threads 1` each). docs/results.md's tuning record gives its
+figures for each candidate, with the hardware.
 
 `--init xavier` re-initialises every attention and feed-forward matrix with
 Xavier-uniform (W^Q, W^K, W^V each on its own), the scheme the model used
@@ -40,7 +42,7 @@ from pipeline.training.loader import TrainingData
 from pipeline.core.tracking import StageRun
 from pipeline.training.trainer import Trainer
 from stages import batch
-from pipeline.scoring import read_lines, score
+from pipeline.scoring import multi30k_bleu, read_lines, score
 from stages.translate import detokenize, translate_ids
 
 
@@ -97,10 +99,12 @@ def main(argv: list[str] | None = None) -> None:
                       f"({(time.time() - start) / 60:.1f} min)", flush=True)
     model = trainer.model.eval()
     translate_cfg = replace(config.parse(params, "translate", TranslateConfig), beam_size=1)
-    sources = load_split(args.tokenized, "test", meta["src_lang"])
+    sources = load_split(args.tokenized, "valid", meta["src_lang"])
     hyps = detokenize(load_spm(args.tokenized, data.vocab_size), translate_ids(model, sources, translate_cfg, progress=False))
-    result = score(hyps, read_lines(args.raw / f"test.{meta['tgt_lang']}"), meta["tgt_lang"], "13a")
-    print(f"greedy test BLEU {result.bleu:.2f} after {p.train_tokens / 1e6:.2f}M tokens, {p.step} steps ({result.signature})")
+    refs = read_lines(args.raw / f"valid.{meta['tgt_lang']}")
+    result = score(hyps, refs, meta["tgt_lang"], "13a")
+    print(f"greedy valid BLEU {result.bleu:.2f}, lc.norm.tok {multi30k_bleu(hyps, refs, meta['tgt_lang']):.2f} after "
+          f"{p.train_tokens / 1e6:.2f}M tokens, {p.step} steps ({result.signature})")
 
 
 if __name__ == "__main__":

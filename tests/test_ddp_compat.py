@@ -1,5 +1,6 @@
-"""distributed.ddp on the torch installed and on an older one: torch 2.11 (a GPU machine's own build) has no
-forward_sync_buffers in DistributedDataParallel, so the helper says the same with broadcast_buffers=False there."""
+"""distributed.ddp on the torch installed (2.13) and on torch 2.11 (a GPU machine's own build), whose
+DistributedDataParallel has no forward_sync_buffers: the keywords are chosen from DDP.__init__'s parameters, and
+gradients stay views of DDP's all-reduce buckets from step to step."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import warnings
 import pytest
 import torch
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from bench import gpu_check
@@ -24,16 +26,35 @@ CPU = torch.device("cpu")
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
+# DistributedDataParallel.__init__'s parameters as torch's source has them: 2.13 (torch/nn/parallel/distributed.py,
+# installed here; broadcast_buffers deprecated, default None), and 2.11: the same but no forward_sync_buffers, and
+# broadcast_buffers (default True) not deprecated.
+TORCH_2_13 = ("self", "module", "device_ids", "output_device", "dim", "broadcast_buffers", "init_sync",
+              "process_group", "bucket_cap_mb", "find_unused_parameters", "check_reduction", "gradient_as_bucket_view",
+              "static_graph", "delay_all_reduce_named_params", "param_to_hook_all_reduce", "mixed_precision",
+              "device_mesh", "skip_all_reduce_unused_params", "bucket_cap_mb_list", "batched_grad_copy",
+              "forward_sync_buffers")
+TORCH_2_11 = tuple(name for name in TORCH_2_13 if name != "forward_sync_buffers")
+
+
+def signature(names: tuple[str, ...]) -> inspect.Signature:
+    """DDP.__init__'s signature of that torch: self and module positional, the rest keywords with defaults."""
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    return inspect.Signature([inspect.Parameter(n, kind, **({} if n in ("self", "module") else {"default": None}))
+                              for n in names])
+
 
 class Torch211DDP(DistributedDataParallel):
-    """The real DDP behind torch 2.11's keywords: no forward_sync_buffers (a TypeError, as there)."""
+    """The real DDP behind torch 2.11's parameters: a keyword 2.11 lacks is a TypeError, as there."""
 
-    def __init__(self, module, device_ids=None, broadcast_buffers=True, gradient_as_bucket_view=False):
+    def __init__(self, *args, **kwargs):
+        signature(TORCH_2_11).bind(self, *args, **kwargs)
         with warnings.catch_warnings():  # 2.13 deprecates broadcast_buffers; 2.11 does not
             warnings.simplefilter("ignore", FutureWarning)
             warnings.simplefilter("ignore", UserWarning)
-            super().__init__(module, device_ids=device_ids, broadcast_buffers=broadcast_buffers,
-                             gradient_as_bucket_view=gradient_as_bucket_view)
+            super().__init__(*args, **kwargs)
+
+    __init__.__signature__ = signature(TORCH_2_11)
 
 
 class WithBuffer(nn.Module):
@@ -46,38 +67,35 @@ class WithBuffer(nn.Module):
         return self.lin(x + self.table)
 
 
-def test_the_installed_torchs_ddp_has_the_keywords_the_helper_relies_on():
-    keywords = inspect.signature(DistributedDataParallel.__init__).parameters
-    assert {"broadcast_buffers", "gradient_as_bucket_view"} <= set(keywords)
-    with pytest.raises(TypeError):
-        Torch211DDP(nn.Linear(1, 1), forward_sync_buffers=False)
+@pytest.mark.parametrize("names, no_sync", [(TORCH_2_13, "forward_sync_buffers"), (TORCH_2_11, "broadcast_buffers")],
+                         ids=["torch-2.13", "torch-2.11"])
+def test_the_keywords_chosen_for_each_torchs_ddp_bind_to_its_signature(names, no_sync):
+    sig = signature(names)
+    keywords = distributed.ddp_keywords(sig.parameters, distributed.Dist(0, 1, 0, CPU))
+    assert keywords == {"device_ids": None, "gradient_as_bucket_view": True, no_sync: False}
+    sig.bind(None, nn.Linear(1, 1), **keywords)  # a keyword this torch lacks: TypeError
+
+
+def test_the_installed_torch_is_2_13s_ddp_and_the_helper_takes_its_path():
+    assert tuple(inspect.signature(DistributedDataParallel.__init__).parameters) == TORCH_2_13
+    with gpu_check.process_group(CPU) as ctx, warnings.catch_warnings():
+        warnings.simplefilter("error")  # broadcast_buffers would draw 2.13's deprecation warning
+        model = distributed.ddp(WithBuffer(), ctx)
+        assert model.forward_sync_buffers is False and model.gradient_as_bucket_view is True
+        del model  # before the group ends (Trainer.close)
 
 
 @pytest.mark.parametrize("ddp_class", [DistributedDataParallel, Torch211DDP], ids=["installed", "torch-2.11"])
 def test_ddp_skips_the_per_forward_buffer_sync_and_views_gradients_in_buckets_on_either_torch(monkeypatch, ddp_class):
     monkeypatch.setattr(distributed, "DistributedDataParallel", ddp_class)
     torch.manual_seed(0)
-    with gpu_check.process_group(CPU) as ctx, warnings.catch_warnings():
-        warnings.simplefilter("error")  # the installed torch's path draws no deprecation warning
+    with gpu_check.process_group(CPU) as ctx:
         model = distributed.ddp(WithBuffer(), ctx)
         assert type(model) is ddp_class
         assert model.broadcast_buffers is False and model.gradient_as_bucket_view is True
         model(torch.ones(4, 3)).sum().backward()  # a step through the reducer
         assert model.module.lin.weight.grad is not None
-        del model  # before the group ends (Trainer.close)
-
-
-def test_the_helper_passes_broadcast_buffers_where_ddp_lacks_forward_sync_buffers(monkeypatch):
-    seen = {}
-
-    class Old:
-        def __init__(self, module, device_ids=None, broadcast_buffers=True, gradient_as_bucket_view=False):
-            seen.update(device_ids=device_ids, broadcast_buffers=broadcast_buffers,
-                        gradient_as_bucket_view=gradient_as_bucket_view)
-
-    monkeypatch.setattr(distributed, "DistributedDataParallel", Old)
-    distributed.ddp(nn.Linear(1, 1), distributed.Dist(0, 1, 0, CPU))
-    assert seen == {"device_ids": None, "broadcast_buffers": False, "gradient_as_bucket_view": True}
+        del model
 
 
 def test_the_trainer_builds_its_ddp_and_steps_on_torch_2_11s_keywords(tmp_path, monkeypatch):
@@ -88,4 +106,31 @@ def test_the_trainer_builds_its_ddp_and_steps_on_torch_2_11s_keywords(tmp_path, 
         trainer = Trainer(data, ModelConfig(**MODEL), TrainConfig(**TRAIN), 24, ctx, StageRun(), phash="")
         assert type(trainer.loss_model) is Torch211DDP and trainer.loss_model.broadcast_buffers is False
         trainer.step(trainer.epoch_order())
+        trainer.close()
+
+
+def test_gradients_stay_views_of_ddps_buckets_from_step_to_step(tmp_path):
+    """Zeroed in place between steps (optimizer.zero_grads), not set to None: the reducer never copies a gradient
+    into its bucket again, and a gradient's memory is its bucket's. The buckets are seen through a comm hook (the default all-reduce, recording them)."""
+    data = TrainingData.load(*write_corpus(tmp_path, n_train=8, n_valid=4))
+    with gpu_check.process_group(CPU) as ctx:
+        trainer = Trainer(data, ModelConfig(**MODEL), TrainConfig(**TRAIN), 24, ctx, StageRun(), phash="")
+        buckets: dict[int, int] = {}  # storage pointer -> bytes, of every bucket the reducer all-reduced
+
+        def hook(group, bucket):
+            storage = bucket.buffer().untyped_storage()
+            buckets[storage.data_ptr()] = storage.nbytes()
+            return allreduce_hook(group, bucket)
+
+        trainer.loss_model.register_comm_hook(None, hook)
+        params = [p for p in trainer.model.parameters() if p.requires_grad]
+        seen = []
+        for _ in range(3):  # DDP rebuilds its buckets once, after the first step (in the order gradients came)
+            buckets.clear()
+            trainer.step(trainer.epoch_order())
+            assert all(p.grad is not None for p in params), "gradients dropped between steps"
+            seen.append([p.grad.untyped_storage().data_ptr() for p in params])
+            assert set(seen[-1]) <= set(buckets) and len(buckets) < len(params)  # each gradient inside a bucket
+            assert all(float(p.grad.abs().sum()) == 0.0 for p in params)  # zeroed for the next step
+        assert seen[1] == seen[2]  # the same memory, step after step
         trainer.close()

@@ -26,7 +26,7 @@ def preset(experiment: str) -> tuple[ModelConfig, int, int]:
 
 
 @pytest.mark.parametrize("experiment, pieces_80gb, pieces_16gb", [
-    ("wmt14_en_de_base", 1, 2), ("wmt14_en_de_big", 1, 3), ("wmt14_en_fr_big", 1, 3)])
+    ("wmt14_en_de_base", 1, 1), ("wmt14_en_de_big", 1, 2), ("wmt14_en_fr_big", 1, 2)])
 def test_an_80gb_gpu_takes_the_presets_step_in_one_micro_batch_a_16gb_one_in_a_few(experiment, pieces_80gb,
                                                                                  pieces_16gb):
     cfg, vocab, step = preset(experiment)
@@ -37,6 +37,40 @@ def test_an_80gb_gpu_takes_the_presets_step_in_one_micro_batch_a_16gb_one_in_a_f
     base, big = preset("wmt14_en_de_base")[0], preset("wmt14_en_de_big")[0]
     assert plan.activation_bytes(big) == 2 * plan.activation_bytes(base)
     assert plan.tokens_for_memory(base, 37000, 0.5 * GB) == 0  # weights and Adam alone fill it
+
+
+def saved_bytes(loss_model: SmoothedLoss, rows: int, length: int) -> int:
+    """Bytes autograd saves for backward in one forward of `rows` pairs of `length` tokens a side, CPU bf16 autocast,
+    through the real loss: each storage once, the parameters' own left out."""
+    vocab = loss_model.model.embedding.weight.shape[0]
+    g = torch.Generator().manual_seed(rows)
+    src, tgt_in, labels = (torch.randint(4, vocab, (rows, length), generator=g) for _ in range(3))
+    parameters = {p.untyped_storage().data_ptr() for p in loss_model.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+        loss_model(src, tgt_in, labels, rows * length)
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("model", ["default", "tiny"])
+def test_the_activation_estimate_is_what_a_micro_batch_saves_for_backward(model):
+    """Measured: the growth of the saved bytes from 8 to 16 rows of 32 tokens (the weights' casts and the loss's
+    [V, D] gradient do not grow with the tokens), a padded token each side, in training mode (dropout's masks).
+    The plan's estimate within 1.25x of it either way (it fits small and base within 3%, the tiny model's
+    d_model 16 and no dropout within 11%: pipeline/training/plan.py)."""
+    cfg = ModelConfig(**MODEL) if model == "tiny" else parse(compose([]), "model", ModelConfig)
+    torch.manual_seed(0)
+    loss_model = SmoothedLoss(Transformer(cfg, 8000), 0.1)
+    rows, length = 8, 32
+    measured = (saved_bytes(loss_model, 2 * rows, length) - saved_bytes(loss_model, rows, length)) / (rows * length)
+    assert 1 / 1.25 < plan.activation_bytes(cfg) / measured < 1.25, (plan.activation_bytes(cfg), measured)
 
 
 def test_the_budget_is_the_param_when_set_else_whole_on_a_cpu(caplog):

@@ -2,7 +2,8 @@
 
 Each subclass lives beside the code that raises it (config.ParamsError,
 files.InputError and OutputError, fetch.DownloadError, checkpoint.CheckpointError,
-averaging.AverageError, scoring.ScoringError). Its message names the file and
+averaging.AverageError, scoring.ScoringError,
+compiled.CompileClockError). Its message names the file and
 line or the params key, and what was expected; pipeline.core.cli.run prints it as
 one line. Anything else is a bug and keeps its traceback.
 """

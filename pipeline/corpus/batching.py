@@ -43,6 +43,7 @@ shuffled at training time.
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 
@@ -62,12 +63,17 @@ def model_lengths(tokenized: str | Path, split: str) -> tuple[np.ndarray, np.nda
     return src.lengths + 1, tgt.lengths + 1
 
 
+@functools.lru_cache(maxsize=1024)
 def bucket_grid(longest: int, step: float) -> np.ndarray:
-    """Padded lengths 1, 2, ..., b, ceil(b x step), ... up to the first >= `longest` (every length when step = 1)."""
+    """Padded lengths 1, 2, ..., b, ceil(b x step), ... up to the first >= `longest` (every length when step = 1).
+
+    Read-only and cached: the loader pads every micro-batch through it, a few times a step."""
     grid = [1]
     while grid[-1] < longest:
         grid.append(max(grid[-1] + 1, math.ceil(grid[-1] * step - 1e-9)))
-    return np.asarray(grid, dtype=np.int64)
+    out = np.asarray(grid, dtype=np.int64)
+    out.flags.writeable = False
+    return out
 
 
 def padded(lengths: np.ndarray, step: float) -> np.ndarray:

@@ -39,6 +39,9 @@ repeats the step eager after fallback(): one warning, the rest of the run eager.
     seconds, graphs = compile_totals()  # this process's compiling so far: seconds (dynamo's and the backend's,
                                         # the lazily compiled backward's too), graphs dynamo built
 
+The clock takes dynamo's compile callbacks as the installed torch calls them (one CallbackArgs on torch 2.13,
+none on older torch: callback_arguments); a torch that calls them otherwise stops compile_layers with
+CompileClockError, rather than failing inside every compile and passing for a compile failure.
 The trainer counts the compiling inside its steps apart from the steps' time
 (metrics/train.json: compile_seconds, compile_graphs; tokens_per_second and mfu
 are over step_seconds less compile_seconds).
@@ -50,15 +53,18 @@ an invalid name (a real failure).
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import threading
 import time
 
 import torch
+import torch._dynamo.callback
 from torch import nn
 
 from model.transformer import DecoderLayer, EncoderLayer, Transformer
+from pipeline.core.errors import PipelineError
 
 log = logging.getLogger(__name__)
 
@@ -105,28 +111,48 @@ def marked(forward, dims: tuple[tuple[int, ...], ...]):
     return forward_marked
 
 
+class CompileClockError(PipelineError):
+    """The installed torch calls dynamo's compile callbacks in a way CompileClock does not know."""
+
+
+def callback_arguments(handler: object) -> int:
+    """Arguments dynamo's `handler` passes each compile callback: what its run_start_callbacks and
+    run_end_callbacks take and hand on (torch 2.13, torch/_dynamo/callback.py: one, a CallbackArgs; older torch:
+    none). Anything else raises CompileClockError, before any compiling: a callback that dynamo calls wrongly
+    raises inside the compile, where it would pass for a compile failure (eager, with a misleading warning)."""
+    counts = {len(inspect.signature(getattr(handler, f"run_{when}_callbacks")).parameters) for when in ("start", "end")}
+    if len(counts) != 1 or not counts <= {0, 1}:
+        raise CompileClockError(
+            f"train.compile: this torch ({torch.__version__}) calls dynamo's compile callbacks with "
+            f"{' and '.join(map(str, sorted(counts)))} argument(s) (torch._dynamo.callback: run_start_callbacks, "
+            "run_end_callbacks); CompileClock (pipeline/training/compiled.py) takes none or one: teach it this "
+            "torch's callbacks, or set train.compile false")
+    return counts.pop()
+
+
 class CompileClock:
     """Seconds spent compiling in this process: from each compile's start to its end (dynamo's callbacks, which
     enclose the tracing, the backend's build and a backward compiled lazily on its first call; nested compiles
-    count once)."""
+    count once). The callbacks take dynamo's one CallbackArgs (torch 2.13) or nothing (older torch)."""
 
     def __init__(self):
         self.seconds, self.started, self.lock = 0.0, None, threading.Lock()
 
     def install(self) -> None:
-        """Register the callbacks, again after a torch._dynamo.reset() (which drops them)."""
-        from torch._dynamo.callback import callback_handler
-
+        """Register the callbacks, again after a torch._dynamo.reset() (which drops them); raises
+        CompileClockError where the installed torch calls them with other arguments (callback_arguments)."""
+        handler = torch._dynamo.callback.callback_handler
+        callback_arguments(handler)
         with self.lock:
-            if self.start not in callback_handler.start_callbacks:
-                callback_handler.register_start_callback(self.start)
-            if self.end not in callback_handler.end_callbacks:
-                callback_handler.register_end_callback(self.end)
+            if self.start not in handler.start_callbacks:
+                handler.register_start_callback(self.start)
+            if self.end not in handler.end_callbacks:
+                handler.register_end_callback(self.end)
 
-    def start(self, _args) -> None:
+    def start(self, _args: object = None) -> None:
         self.started = time.perf_counter()
 
-    def end(self, _args) -> None:
+    def end(self, _args: object = None) -> None:
         if self.started is not None:
             self.seconds += time.perf_counter() - self.started
             self.started = None

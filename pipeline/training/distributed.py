@@ -20,6 +20,7 @@ import logging
 import os
 import socket
 import sys
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -190,19 +191,24 @@ def teardown(ctx: Dist) -> None:
 
 
 def ddp(module: torch.nn.Module, ctx: Dist) -> DistributedDataParallel:
-    """`module` wrapped in DistributedDataParallel for this process's device, on whichever torch is installed.
+    """`module` wrapped in DistributedDataParallel for this process's device, on whichever torch is installed
+    (ddp_keywords of its DistributedDataParallel.__init__)."""
+    keywords = ddp_keywords(inspect.signature(DistributedDataParallel.__init__).parameters, ctx)
+    return DistributedDataParallel(module, **keywords)
+
+
+def ddp_keywords(parameters: Collection[str], ctx: Dist) -> dict[str, object]:
+    """DistributedDataParallel's keywords for this process, given the names its __init__ takes (torch's version).
 
     No buffer sync before each forward: the only buffer is the positional table (model/transformer.py), the same
     constant on every rank. torch 2.13 says so with forward_sync_buffers=False (and deprecates broadcast_buffers);
     older torch (2.11 on the GPU machine) has no such keyword and says it with broadcast_buffers=False, which also
     skips the table's sync at the start: no matter, every rank computes the same table. gradient_as_bucket_view:
     gradients live in the all-reduce buckets instead of beside them (one copy less per step, and one gradient's
-    memory less: 1 GB for big).
+    memory less: 1 GB for big); the optimizer zeroes them in place to keep it so (optimizer.zero_grads).
     """
-    keywords = inspect.signature(DistributedDataParallel.__init__).parameters
-    no_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in keywords else {"broadcast_buffers": False}
-    return DistributedDataParallel(module, device_ids=[ctx.local_rank] if ctx.cuda else None,
-                                   gradient_as_bucket_view=True, **no_sync)
+    no_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in parameters else {"broadcast_buffers": False}
+    return {"device_ids": [ctx.local_rank] if ctx.cuda else None, "gradient_as_bucket_view": True, **no_sync}
 
 
 def all_sum(t: torch.Tensor, ctx: Dist) -> torch.Tensor:

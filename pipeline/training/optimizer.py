@@ -50,5 +50,15 @@ def train_step(loss_model: nn.Module, optimizer: torch.optim.Optimizer, micro: l
         group["lr"] = lr
     scaler.step(optimizer)
     scaler.update()
-    optimizer.zero_grad(set_to_none=True)
+    zero_grads(optimizer, loss_model)
     return total
+
+
+def zero_grads(optimizer: torch.optim.Optimizer, loss_model: nn.Module) -> None:
+    """Clear the gradients for the next step: in place under DDP, else dropped (no gradient memory between steps).
+
+    DDP (pipeline/training/distributed.py) keeps each gradient as a view of its all-reduce bucket
+    (gradient_as_bucket_view); gradients set to None would make the reducer copy every fresh gradient into its
+    bucket again each step, one gradient's copy and memory more.
+    """
+    optimizer.zero_grad(set_to_none=not isinstance(loss_model, DistributedDataParallel))

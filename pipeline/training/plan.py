@@ -17,15 +17,26 @@ The budget: train.micro_batch_tokens when set; else no cap on a CPU (the
 default preset's step is one micro-batch, as it always was), and on a GPU what
 the activation estimate below fits into 80% of the device's memory after the
 weights, their gradients and Adam's moments (16 bytes a parameter):
-  saved activations a padded token, autocast (2-byte products, 4-byte residual
-  stream and LayerNorm inputs), per encoder layer 2 x (16 d_model + 4 d_ff)
-  bytes, a decoder layer 1.5 times that (cross-attention); attention through the
-  memory-efficient and flash kernels keeps no L x L scores; the loss builds
-  no [N, V] logits (model/loss.py). Base (d_model 512, d_ff 2048, 6 + 6
-  layers): 0.47 MiB a token; big: 0.94 MiB. So an 80 GB GPU takes the
-  presets' step (26400 padded tokens) in one micro-batch, a 16 GB one base in 2
-  and big in 3 (tests/test_plan.py). It is an estimate: where a device runs out
-  of memory, set train.micro_batch_tokens.
+  saved activations a padded token (each side), autocast, per encoder layer
+  26 d_model + 2 d_ff bytes, per decoder layer 45 d_model + 2 d_ff (its
+  cross-attention, and the loss's share). Measured, not counted by hand: the
+  bytes of the tensors autograd saves for backward (saved_tensors_hooks,
+  storages counted once, the parameters left out) through the real loss under
+  CPU bf16 autocast, their growth from 8 to 16 rows of 32 tokens (what does not
+  grow with the tokens, the weights' bf16 casts and the loss's weight gradient,
+  drops out), fits within 3% on small and base and 11% on the tiny test model
+  (tests/test_plan.py holds it to the measurement). What is saved: each
+  attention's q, k, v and output in bf16 and its log-sum-exp (the flash and
+  memory-efficient kernels keep no L x L scores), the fp32 residual stream and
+  LayerNorm inputs, the bf16 inputs of the matrix products, one [tokens, d_ff]
+  bf16 tensor per feed-forward, dropout's masks (in their input's dtype on a
+  CPU, 1 byte on a GPU: a GPU saves a little less); the loss builds no [N, V] logits (model/loss.py).
+  Base (d_model 512, d_ff 2048, 6 + 6 layers): 0.25 MiB a token; big: 0.51 MiB.
+  So an 80 GB GPU takes the presets' step (27400 padded tokens) in one
+  micro-batch, a 16 GB one base in 1 and big in 2 (tests/test_plan.py). It is
+  an estimate of what is saved, not of the peak (the backward's transient
+  buffers and the loss's chunks sit in the 20% left over): where a device runs
+  out of memory, set train.micro_batch_tokens.
 """
 
 from __future__ import annotations
@@ -42,13 +53,18 @@ log = logging.getLogger(__name__)
 
 MEMORY_SHARE = 0.8  # of the device's memory the plan fills; the rest: allocator slack, the loss's chunks, NCCL
 STATE_BYTES = 16  # a parameter: fp32 weight, gradient, and Adam's two moments
-PRODUCT_BYTES = 2  # autocast's bf16 / fp16
+# Saved bytes a padded token per layer, under autocast: per unit of d_model, and per unit of d_ff (one bf16
+# [tokens, d_ff] tensor a feed-forward); measured (module docstring, tests/test_plan.py).
+ENCODER_BYTES_PER_D_MODEL = 26
+DECODER_BYTES_PER_D_MODEL = 45
+BYTES_PER_D_FF = 2
 
 
 def activation_bytes(cfg: ModelConfig) -> float:
     """Saved activations of one padded token (each side) through the whole model, under autocast."""
-    encoder_layer = PRODUCT_BYTES * (16 * cfg.d_model + 4 * cfg.d_ff)
-    return cfg.n_layers * encoder_layer * (1 + 1.5)
+    encoder_layer = ENCODER_BYTES_PER_D_MODEL * cfg.d_model + BYTES_PER_D_FF * cfg.d_ff
+    decoder_layer = DECODER_BYTES_PER_D_MODEL * cfg.d_model + BYTES_PER_D_FF * cfg.d_ff
+    return cfg.n_layers * (encoder_layer + decoder_layer)
 
 
 def parameters(cfg: ModelConfig, vocab_size: int) -> int:

@@ -68,7 +68,7 @@ from pipeline.training.distributed import Dist
 from pipeline.core.files import write_text
 from pipeline.corpus.formats import batch_paths
 from pipeline.training.loader import Batch, Prefetcher, TrainingData
-from pipeline.training.optimizer import build_optimizer, train_step
+from pipeline.training.optimizer import build_optimizer, train_step, zero_grads
 
 log = logging.getLogger(__name__)
 
@@ -336,7 +336,7 @@ class Trainer:
         except compiled.COMPILE_FAILURES as e:
             compiled.fallback(self.compiled, e)
             self.compiled = []
-            self.optimizer.zero_grad(set_to_none=True)
+            zero_grads(self.optimizer, self.loss_model)
             ckpt.restore_rng(rng)
             return run()
         finally:
