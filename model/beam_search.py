@@ -5,7 +5,9 @@ input length + 50, "terminating early when possible". The search is batched
 over sentences and beams: one `decode_step` per output position for the whole
 batch, each row of the decoder state one (sentence, beam) pair; a sentence that
 is finished is dropped from the state (`DecoderState.select`), so later steps
-cost less.
+cost less. A step reads the device once (which hypotheses stay live: the
+host needs their count to size the next step); the best finished hypotheses
+stay on the device until the search ends, so a GPU never waits for the host.
 
 Conventions (used everywhere below):
 - a hypothesis's length |Y| counts its generated tokens including EOS, not BOS;
@@ -97,18 +99,24 @@ def top_log_probs(logits: Tensor, k: int, block: int = 64) -> tuple[Tensor, Tens
     return top.sub_(m).sub_(log_z), ids.gather(1, pos)
 
 
-def _top_extensions(logits: Tensor, k: int, at_max: Tensor, eos_id: int) -> tuple[Tensor, Tensor]:
+def _top_extensions(logits: Tensor, k: int, at_max: Tensor, eos_id: int,
+                    forced: int | None = None) -> tuple[Tensor, Tensor]:
     """The k best next tokens of each row and their log-probabilities; rows `at_max` ([R] bool) may only emit
-    EOS (keeping EOS's own log-probability; the other k - 1 entries are -inf)."""
-    forced = at_max.any()
+    EOS (keeping EOS's own log-probability; the other k - 1 entries are -inf).
+
+    `forced`: how many rows are at_max, where the caller knows it (beam_search does, on the host), so that
+    selecting them reads nothing from the device; None counts them (one read)."""
+    if forced is None:
+        forced = int(at_max.sum())
     if forced:
-        eos_lp = torch.log_softmax(logits[at_max], dim=-1)[:, eos_id]
+        rows = torch.nonzero_static(at_max, size=forced)[:, 0]  # [F]: a known size, no wait for the device
+        eos_lp = torch.log_softmax(logits.index_select(0, rows), dim=-1)[:, eos_id]
     top_lp, top_tok = top_log_probs(logits, k)
     if forced:  # EOS first, then k - 1 other tokens at -inf (a row holds each token once)
         others = torch.arange(k - 1, device=logits.device)
-        top_tok[at_max] = torch.cat([others.new_tensor([eos_id]), others + (others >= eos_id).long()])
-        top_lp[at_max] = float("-inf")
-        top_lp[at_max, 0] = eos_lp
+        tokens = torch.cat([others.new_full((1,), eos_id), others + (others >= eos_id).long()])
+        top_tok.index_copy_(0, rows, tokens.expand(forced, k))
+        top_lp.index_copy_(0, rows, torch.cat([eos_lp[:, None], eos_lp.new_full((forced, k - 1), float("-inf"))], 1))
     return top_lp, top_tok
 
 
@@ -167,21 +175,29 @@ def beam_search(
     with torch.inference_mode():
         B, device = src.shape[0], src.device
         max_len = max_lengths(src, model.pad_id, max_len_a, max_len_b)  # [B]
+        max_len_host = max_len.tolist()  # read once per search
         state = _start(model, src, K, use_cache)
         alive = torch.arange(B, device=device)  # original index of each sentence still searched, [n]
+        # What the host knows of the search (from one read a step): the sentences alive, their live rows.
+        alive_host, beams_host = list(range(B)), [1] * B
         # Rows are live hypotheses; slot[r] = i * K + j puts row r in beam j of sentence alive[i].
         slot = torch.arange(B, device=device) * K  # [R]: one empty hypothesis per sentence to start
         prefix = torch.full((B, 1), bos_id, dtype=torch.long, device=device)  # [R, t+1]
         row_lp = torch.zeros(B, device=device)  # [R]
+        # The best finished hypothesis of each sentence, kept on the device: its score, log-prob, tokens (the
+        # first best_len of best_tokens; -1: none yet).
         best_score = torch.full((B,), float("-inf"), device=device)
-        best: list[Hypothesis | None] = [None] * B
+        best_lp = torch.zeros(B, device=device)
+        best_len = torch.full((B,), -1, dtype=torch.long, device=device)
+        best_tokens = torch.zeros(B, max(max_len_host, default=1), dtype=torch.long, device=device)
         t = 0
-        while alive.numel():
+        while alive_host:
             t += 1  # tokens generated after this step
-            n = alive.numel()
+            n = len(alive_host)
             logits, state = _next_logits(model, prefix, state, use_cache)  # [R, V]
+            forced = sum(beams for i, beams in zip(alive_host, beams_host) if max_len_host[i] == t)
             top_lp, top_tok = _top_extensions(logits, min(2 * K, logits.shape[-1]), (max_len[alive] == t)[slot // K],
-                                              eos_id)  # [R, C], best first
+                                              eos_id, forced)  # [R, C], best first
             # The 2K best extensions of each sentence are among its rows' C best: gather them in the
             # [n, K] grid of beam slots (-inf where a slot holds no hypothesis), then pick per sentence.
             C = top_lp.shape[1]
@@ -198,26 +214,39 @@ def beam_search(
             finish = is_eos & (rank < K) & torch.isfinite(cand_lp)
             fin_score = torch.where(finish, cand_lp / length_penalty(t, alpha), float("-inf"))
             step_score, step_pos = fin_score.max(dim=1)  # [n]
-            improved = step_score > best_score[alive]
-            for i in improved.nonzero().flatten().tolist():
-                pos = step_pos[i]
-                best[int(alive[i])] = Hypothesis(prefix[cand_row[i, pos], 1:].tolist(), step_score[i].item(),
-                                                 cand_lp[i, pos].item())
-            best_score[alive] = torch.maximum(best_score[alive], step_score)
+            before = best_score[alive]
+            improved = step_score > before  # [n]: its best finished hypothesis is this step's
+            tokens = prefix.index_select(0, cand_row.gather(1, step_pos[:, None])[:, 0])[:, 1:]  # [n, t-1]
+            best_tokens[alive, : t - 1] = torch.where(improved[:, None], tokens, best_tokens[alive, : t - 1])
+            best_len[alive] = torch.where(improved, t - 1, best_len[alive])
+            best_lp[alive] = torch.where(improved, cand_lp.gather(1, step_pos[:, None])[:, 0], best_lp[alive])
+            best_score[alive] = torch.maximum(before, step_score)
 
             # Live: the K best candidates that do not end in EOS (at most K of the 2K do), best first ...
             keep_pos = torch.where(is_eos, rank + 2 * K, rank).topk(K, dim=1, largest=False).values  # [n, K]
             beam_lp = cand_lp.gather(1, keep_pos)
             # ... of which those that can still beat their sentence's best finished hypothesis.
             reachable_lp = length_penalty(max_len[alive].float(), alpha).clamp(min=length_penalty(t + 1, alpha))
-            live = (beam_lp / reachable_lp[:, None] > best_score[alive][:, None]) & (max_len[alive] > t)[:, None]
-            kept = live.any(dim=1).nonzero().flatten()  # [n']
-            if not kept.numel():
+            live = (beam_lp / reachable_lp[:, None] > before.maximum(step_score)[:, None]) & (max_len[alive] > t)[:, None]
+            live_host = live.tolist()  # the step's one read from the device: what to decode next
+            kept_host = [i for i, row in enumerate(live_host) if any(row)]
+            if not kept_host:
                 break
-            live = live[kept]  # [n', K]
-            rows = cand_row.gather(1, keep_pos)[kept][live]  # [R']
-            state = state.select(rows, live.flatten().nonzero().flatten(), kept if len(kept) < n else None)
-            prefix = torch.cat([prefix[rows], cand_tok.gather(1, keep_pos)[kept][live][:, None]], dim=1)
-            row_lp, alive = beam_lp[kept][live], alive[kept]
-            slot = live.flatten().nonzero().flatten()
-        return best
+            beams_host = [sum(live_host[i]) for i in kept_host]
+            # The same selection on the device, its sizes known: nonzero_static waits for nothing.
+            kept = torch.nonzero_static(live.any(dim=1), size=len(kept_host))[:, 0]  # [n']
+            live = live.index_select(0, kept)  # [n', K]
+            slot = torch.nonzero_static(live.flatten(), size=sum(beams_host))[:, 0]  # [R']
+
+            def follow(x: Tensor) -> Tensor:
+                """x [n, K] per (sentence, kept candidate) -> [R'] per new row."""
+                return x.index_select(0, kept).flatten().index_select(0, slot)
+
+            rows = follow(cand_row.gather(1, keep_pos))  # [R']
+            state = state.select(rows, slot, kept if len(kept_host) < n else None)
+            prefix = torch.cat([prefix.index_select(0, rows), follow(cand_tok.gather(1, keep_pos))[:, None]], dim=1)
+            row_lp, alive = follow(beam_lp), alive.index_select(0, kept)
+            alive_host = [alive_host[i] for i in kept_host]
+        tokens, lengths, scores, log_probs = (x.tolist() for x in (best_tokens, best_len, best_score, best_lp))
+        return [Hypothesis(tokens[i][:n], scores[i], log_probs[i]) if n >= 0 else None
+                for i, n in enumerate(lengths)]

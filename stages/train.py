@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import sys
 
+import torch
 
 from model.config import ModelConfig
 from pipeline.core import cli, config, tracking
@@ -49,6 +50,9 @@ def main(argv: list[str] | None = None) -> None:
     cfg = config.load(args.params, "train", TrainConfig)
     batch = config.load(args.params, "batch", BatchConfig)
     max_tokens = batch.max_tokens
+    if cfg.cuda_graphs and not torch.cuda.is_available():
+        raise config.ParamsError("train.cuda_graphs = true: CUDA graphs need a CUDA GPU and this machine has none "
+                                 "(torch.cuda.is_available() is False); set train.cuda_graphs=false")
     if cfg.devices > 1 and not distributed.launched_by_torchrun():
         TrainingData.load(args.tokenized, args.batches)  # a missing input fails here, before any process starts
         distributed.launch(cfg.devices, "stages.train", sys.argv[1:] if argv is None else argv)

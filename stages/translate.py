@@ -15,6 +15,10 @@ An empty source line (or one that encodes to no pieces) is not decoded: its
 translation is an empty line, in the files and on stdout. data/raw is read only to check that the encoded
 splits still match it line for line.
 
+Precision: the training precision of the device (distributed.autocast_dtype: bf16 on GPUs that have it, fp16 on
+7.x, fp32 on CPUs), the weights cast to it once (decoding_precision); recorded as the MLflow param
+`decode_precision` and in the log.
+
 Interactive / piped use, same model, search and params:
 
     echo "A man rides a bike." | python -m stages.translate --stdin
@@ -51,7 +55,7 @@ from pipeline.progress import progress_bar
 from model.beam_search import Hypothesis, beam_search
 from model.transformer import Transformer
 from pipeline.core import cli, config, tracking
-from pipeline.training import attention
+from pipeline.training import attention, distributed
 from pipeline.weights.checkpoint import load_model
 from pipeline.core.config import ParamsError, TranslateConfig
 from pipeline.corpus.rawtext import decode_line
@@ -65,6 +69,20 @@ def max_source_len(max_positions: int, cfg: TranslateConfig) -> int:
     if cfg.max_len_a == 0:
         return max_positions if cfg.max_len_b <= max_positions else 0
     return min(max_positions, int((max_positions - cfg.max_len_b) // cfg.max_len_a))
+
+
+def decoding_precision(model: Transformer) -> torch.dtype:
+    """Cast `model` in place, once, to the precision training ran in on its device; returns that dtype.
+
+    The whole model, as fairseq's generate does with --fp16 (model.half()), not autocast around each step:
+    autocast's cast weights are cached only until its block exits, so a step under autocast casts every weight
+    again. In bf16 the residual stream and LayerNorm outputs are rounded to bf16; LayerNorm and softmax still
+    accumulate in fp32 inside their kernels, and beam search scores fp32 log-probabilities (_next_logits).
+    A CPU decodes in fp32, as it trains: the model is left as it is.
+    """
+    dtype = distributed.autocast_dtype(model.embedding.weight.device)
+    model.to(dtype)  # in place: parameters and buffers (nothing to do in fp32)
+    return dtype
 
 
 def decoding_batches(lengths: np.ndarray, max_tokens: int, max_sentences: int) -> list[np.ndarray]:
@@ -222,6 +240,8 @@ def main(argv: list[str] | None = None) -> None:
     if "OMP_NUM_THREADS" not in os.environ:  # an explicit setting wins
         torch.set_num_threads(os.cpu_count() or 1)
     model = load_model(args.model, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    precision = str(decoding_precision(model)).removeprefix("torch.")  # float32, bfloat16, float16
+    log.info("decoding in %s", precision)
     log.info("attention: %s", attention.use(model.embedding.weight.device))  # the kernels training chose, on CUDA
     sp = load_spm(args.tokenized, model.embedding.num_embeddings)
     if args.stdin:
@@ -230,7 +250,7 @@ def main(argv: list[str] | None = None) -> None:
     meta = read_meta(args.tokenized)
     langs = (meta["src_lang"], meta["tgt_lang"])
     with tracking.stage_run("translate", args) as run:
-        run.log_params({"translate": asdict(cfg)})
+        run.log_params({"translate": asdict(cfg), "decode_precision": precision})
         start = time.perf_counter()
         translations = {split: translate_split(model, sp, args.tokenized, args.raw, split, langs, cfg)
                         for split in DECODED_SPLITS}

@@ -2,21 +2,21 @@
 
 What a GPU adds (NCCL instead of gloo, autocast bf16, inductor, memory) cannot run here; everything else does:
 the presets' settings, each mode's fresh corpus through the batch stage, the process group of one and DDP, the
-prefetch thread, train.compile and the compiled reference step (dynamo with TRANSFORMER_COMPILE_BACKEND=eager or
-aot_eager, as tests/test_compile.py), the checkpoint it saves, decoding under autocast and every printed line.
+prefetch thread, train.compile, train.cuda_graphs (compiled as train.compile: no CUDA graphs off CUDA) and the
+compiled reference step (dynamo with TRANSFORMER_COMPILE_BACKEND=eager or aot_eager, as tests/test_compile.py), the
+checkpoint it saves, decoding in the translate stage's precision and every printed line.
 """
 
 from __future__ import annotations
 
 import re
-import threading
 
 import numpy as np
 import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from bench import gpu_check
+from bench import gpu_check, gpu_decode, gpu_kernels, gpu_setup, gpu_timing
 from pipeline.core import config
 from pipeline.core.tracking import StageRun
 from pipeline.corpus import steps
@@ -24,7 +24,6 @@ from pipeline.training import compiled, distributed
 from pipeline.training.trainer import Trainer
 from pipeline.weights import fingerprint
 from pipeline.weights.checkpoint import resume_point
-from stages.translate import translate_ids
 
 CPU = torch.device("cpu")
 
@@ -45,22 +44,22 @@ def test_gpu_check_uses_the_presets_batch_config_and_times_at_least_50_steps():
 def test_each_stream_is_a_fresh_corpus_batched_by_the_batch_stage_with_the_whole_config(tmp_path, monkeypatch):
     s = gpu_check.preset("base", CPU, tiny=True)
     calls = []
-    write_batches = gpu_check.write_batches
-    monkeypatch.setattr(gpu_check, "write_batches", lambda *a: calls.append(a) or write_batches(*a))
-    a = gpu_check.training_data(s, 1, 2, tmp_path / "a")
-    b = gpu_check.training_data(s, 2, 2, tmp_path / "b")
+    write_batches = gpu_setup.write_batches
+    monkeypatch.setattr(gpu_setup, "write_batches", lambda *a: calls.append(a) or write_batches(*a))
+    a = gpu_setup.training_data(s, 1, 2, tmp_path / "a")
+    b = gpu_setup.training_data(s, 2, 2, tmp_path / "b")
     assert all(call[3] is s.batch_cfg for call in calls)  # the BatchConfig as composed, whatever fields it has
     # Enough batches that the warm-up, the timed steps and the prefetched step come from one epoch.
-    assert min(len(a.train_batches), len(b.train_batches)) >= (gpu_check.WARMUP_STEPS + 3) * s.batches_per_step
-    assert gpu_check.digest(a) != gpu_check.digest(b)
+    assert min(len(a.train_batches), len(b.train_batches)) >= (gpu_setup.WARMUP_STEPS + 3) * s.batches_per_step
+    assert gpu_setup.digest(a) != gpu_setup.digest(b)
 
 
 def test_gpu_check_times_the_trainers_step_under_ddp_in_epoch_order_and_saves_a_resumable_checkpoint(tmp_path):
     s = gpu_check.preset("base", CPU, tiny=True)
-    data = gpu_check.training_data(s, 1, 2, tmp_path / "corpus")
+    data = gpu_setup.training_data(s, 1, 2, tmp_path / "corpus")
     n = 2
-    with gpu_check.process_group(CPU) as ctx:
-        r = gpu_check.time_training(s, data, ctx, n, False, tmp_path / "ck")
+    with gpu_setup.process_group(CPU) as ctx:
+        r = gpu_timing.time_training(s, data, ctx, n, "eager", tmp_path / "ck")
         t = r.pop("trainer")
         assert isinstance(t.loss_model, DistributedDataParallel)  # DDP as each rank of a preset's run has it
         t.close()
@@ -69,48 +68,69 @@ def test_gpu_check_times_the_trainers_step_under_ddp_in_epoch_order_and_saves_a_
     # The steps took the batches in the trainer's epoch order, none twice, all in the first epoch.
     taken = [b for ids in r["batches"] for b in ids]
     assert taken == steps.epoch_order(len(data.train_batches), s.train_cfg.seed, 0)[: len(taken)].tolist()
-    assert len(r["batches"]) == gpu_check.WARMUP_STEPS + n and r["epochs"] == 1
+    assert len(r["batches"]) == gpu_setup.WARMUP_STEPS + n and r["epochs"] == 1
     assert len(r["batch_shapes"]) == n * r["accum"]
     # The checkpoint it timed is the train stage's: resumed as one (sealed, the trainer's code) ...
     found = resume_point(tmp_path / "ck", "gpu-check", fingerprint.code_fingerprint("stages.train"))
-    assert found is not None and found.payload["step"] == gpu_check.WARMUP_STEPS + n
+    assert found is not None and found.payload["step"] == gpu_setup.WARMUP_STEPS + n
     # ... with the weights the Trainer gets without the group: DDP over one process changes no number.
     plain = Trainer(data, s.model_cfg, s.train_cfg.__class__(**{**vars(s.train_cfg), "compile": False}), s.max_tokens,
                     distributed.Dist(0, 1, 0, CPU), StageRun(), phash="")
     assert not isinstance(plain.loss_model, DistributedDataParallel)
-    for _ in range(gpu_check.WARMUP_STEPS + n):
+    for _ in range(gpu_setup.WARMUP_STEPS + n):
         plain.step(plain.epoch_order())
     for name, want in plain.model.state_dict().items():
         assert torch.equal(found.payload["model"][name], want), name
 
 
-def test_decoding_under_autocast_reaches_translate_ids_worker_threads():
-    """translate_ids searches in worker threads, where an autocast block around the call does not reach."""
+def test_decoding_casts_the_model_as_the_translate_stage_does(monkeypatch):
+    """The stage's decoding_precision: fp32 on a CPU; where training runs bf16 (pretended here), bf16 weights."""
     s = gpu_check.preset("base", CPU, tiny=True)
     src, _ = gpu_check.synthetic_corpus(4, seed=5, vocab=s.vocab, mean=8, sd=2, longest=12)
     sources = [np.asarray(src[i], dtype=np.int64) for i in range(len(src))]
-    seen = []
+    model, dtype = gpu_decode.decoding_model(s, stage_precision=True)
+    assert dtype == torch.float32 and {p.dtype for p in model.parameters()} == {torch.float32}
+    monkeypatch.setattr(distributed, "autocast_dtype", lambda device: torch.bfloat16)
+    model, dtype = gpu_decode.decoding_model(s, stage_precision=True)
+    assert dtype == torch.bfloat16 and {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    rate, name = gpu_decode.time_decoding(s, sources, stage_precision=True)
+    assert rate > 0 and name == "bf16"
+    assert gpu_decode.time_decoding(s, sources, stage_precision=False)[1] == "fp32"
 
-    def spied(model):
-        inner = model.model if isinstance(model, gpu_check.Autocast) else model
-        step = inner.decode_step
 
-        def decode_step(tokens, state):
-            logits, state = step(tokens, state)
-            seen.append((threading.current_thread() is threading.main_thread(), torch.is_autocast_enabled("cpu"),
-                         logits.dtype))
-            return logits, state
+@pytest.mark.parametrize("name, kind", [
+    ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 128, 4, false, false, cutlass::bfloat16_t, "
+     "Flash_kernel_traits<64, 128, 128, 4, cutlass::bfloat16_t> >, false, true, false, false, true, true, false, "
+     "false>(pytorch_flash::Flash_fwd_params)", "flash"),
+    ("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<...>(pytorch_flash::Flash_bwd_params)", "flash"),
+    ("fmha_cutlassF_bf16_aligned_64x128_rf_sm80(PyTorchMemEffAttention::AttentionKernel<cutlass::bfloat16_t, "
+     "cutlass::arch::Sm80, true, 64, 128, 64, true, true>::Params)", "efficient"),
+    ("fmha_cutlassB_bf16_aligned_64x64_k64_sm80(PyTorchMemEffAttention::AttentionBackwardKernel<...>::Params)",
+     "efficient"),
+    ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, c10::BFloat16, float, c10::BFloat16, "
+     "at::native::(anonymous namespace)::SoftMaxForwardEpilogue>(c10::BFloat16*, c10::BFloat16 const*, int)", "math"),
+    ("triton_per_fused__safe_softmax_add_masked_fill_0", "math"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x64_4x1x1_kernel0_0", "cudnn"),
+    ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float, "
+     "at::native::(anonymous namespace)::LogSoftMaxForwardEpilogue>(float*, float const*, int)", None),
+    ("triton_red_fused__log_softmax_mul_neg_sum_3", None),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off_kernel__"
+     "5x_cublas", None),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, std::array<char*, 1ul> >", None),
+])
+def test_cuda_kernel_names_are_told_apart_by_attention_backend(name, kind):
+    assert gpu_kernels.attention_kernel(name) == kind
 
-        inner.decode_step = decode_step
-        return model
 
-    with torch.autocast("cpu", dtype=torch.bfloat16):  # around the call: the searches run without it
-        translate_ids(spied(gpu_check.decoding_model(s, torch.float32)), sources, s.translate_cfg, progress=False)
-    assert seen and not any(main or on for main, on, _ in seen)
-    seen.clear()
-    translate_ids(spied(gpu_check.decoding_model(s, torch.bfloat16)), sources, s.translate_cfg, progress=False)
-    assert seen and all(on and dtype == torch.bfloat16 for _, on, dtype in seen)
-    assert gpu_check.time_decoding(s, sources, torch.bfloat16) > 0
+def test_training_on_the_math_kernel_fails_on_a_gpu_only():
+    ran = {"attention": {"efficient": 96, "math": 12}}
+    [failure] = gpu_check.failures_of("base", "eager", ran, torch.device("cuda", 0))
+    assert "math attention kernel" in failure and "base eager" in failure
+    assert gpu_check.failures_of("base", "eager", {"attention": {"efficient": 96, "flash": 48}},
+                                 torch.device("cuda", 0)) == []
+    assert gpu_check.failures_of("base", "eager", {"attention": None}, CPU) == []
+    assert gpu_kernels.attention_kernels([("fmha_cutlassF_x", 3), ("flash_fwd_kernel", 2), ("gemm", 9),
+                                          ("fmha_cutlassB_y", 3)]) == {"flash": 2, "efficient": 6}
 
 
 def test_gpu_check_without_a_gpu_says_so_in_one_line_and_exits_0(monkeypatch, capsys):
@@ -133,29 +153,37 @@ def test_gpu_check_prints_the_reference_then_each_mode_on_its_own_corpus_then_de
     torch._dynamo.reset()
     lines = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in lines] == [
-        "base reference", "base eager", "base", "base compiled", "base", "base"], lines
-    reference, eager, save, comp, decode_trained, decode_fp32 = lines
+        "base reference", "base reference inside", "base eager", "base eager inside", "base", "base compiled",
+        "base compiled inside", "base graphs", "base graphs inside", "base", "base"], lines
+    reference, _, eager, eager_inside, save, comp, comp_inside, graphs, graphs_inside, decode_stage, decode_fp32 = lines
     r = results["base"]
     # The reference: the step's tokens in one fixed-shape micro-batch, the whole loss compiled.
     assert "1 x [32, 32] micro-batch" in reference and "under one torch.compile" in reference, reference
     assert r["reference"]["compiled"] and r["reference"]["warmup_graphs"] > 0
     assert r["reference"]["tokens_per_step"] == 1024
-    for line, mode in ((eager, "eager"), (comp, "compiled")):
+    for line, mode in ((eager, "eager"), (comp, "compiled"), (graphs, "graphs")):
         assert "target tokens/s" in line and "MFU" in line and "n/a peak" in line, line
         ratio = float(re.search(r", ([\d.]+)x of the reference \(", line)[1])
         assert ratio == pytest.approx(tokens_per_s(line) / tokens_per_s(reference), rel=0.02, abs=0.01), line
         assert "2 timed steps of a fresh corpus" in line and "in 2 batch(es) of batch.max_tokens 512" in line, line
-        assert len(r[mode]["batches"]) == gpu_check.WARMUP_STEPS + 2
+        assert len(r[mode]["batches"]) == gpu_setup.WARMUP_STEPS + 2
     # Compile time apart from the timed steps' tokens/s, with the graphs compiled in each part.
-    assert re.search(r"\(compile: 3 warm-up steps [\d.]+ s, [1-9]\d* graph\(s\); 0 graph\(s\) compiled during the "
-                     r"timed steps;", comp), comp
-    assert r["compiled"]["compiled"] and r["compiled"]["warmup_graphs"] > 0 and r["compiled"]["new_graphs"] == 0
+    for line, mode in ((comp, "compiled"), (graphs, "graphs")):
+        assert re.search(r"\(compile: 3 warm-up steps [\d.]+ s, [1-9]\d* graph\(s\); 0 graph\(s\) compiled during "
+                         r"the timed steps;", line), line
+        assert r[mode]["compiled"] and r[mode]["warmup_graphs"] > 0 and r[mode]["new_graphs"] == 0
     assert re.search(r"\(warm-up 3 steps [\d.]+ s; 2 timed", eager) and "graph" not in eager, eager
+    # What ran inside: kernel names and the sync check are CUDA's; dynamo's work during the timed steps is counted.
+    assert eager_inside == ("base eager inside: attention kernels: kernel names are CUDA-only; host syncs not checked "
+                            "(CUDA only)"), eager_inside
+    assert "timed steps' dynamo: 0 graph(s), 0 graph break(s), 0 recompile(s)" in comp_inside, comp_inside
+    assert "CUDA graphs: n/a (not CUDA)" in graphs_inside and "0 recompile(s)" in graphs_inside, graphs_inside
+    assert r["graphs"]["cuda_graphs"] is None and r["eager"]["attention"] is None
     # Each mode trained on a corpus of its own: other token ids, other batch shapes.
-    assert r["eager"]["seed"] != r["compiled"]["seed"] and r["eager"]["corpus"] != r["compiled"]["corpus"]
+    assert len({r[mode]["seed"] for mode in gpu_timing.MODES}) == len({r[mode]["corpus"] for mode in gpu_timing.MODES}) == 3
     assert set(r["eager"]["batch_shapes"]) != set(r["compiled"]["batch_shapes"])
     assert re.search(r"checkpoint [\d.]+ MiB saved in [\d.]+ s", save), save
-    # Decoding: beam 4 under the training precision (fp32 on a CPU, as the trainer picks) and in fp32.
-    assert re.fullmatch(r"base: beam 4, training precision, fp32: [\d.]+ sentences/s \(translate_ids\)",
-                        decode_trained), decode_trained
+    # Decoding: beam 4 as the translate stage decodes (fp32 on a CPU) and in fp32.
+    assert re.fullmatch(r"base: beam 4, the translate stage's precision, fp32 weights: [\d.]+ sentences/s "
+                        r"\(translate_ids\)", decode_stage), decode_stage
     assert re.fullmatch(r"base: beam 4, fp32: [\d.]+ sentences/s \(translate_ids\)", decode_fp32), decode_fp32

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import codecs
+import logging
 import os
 import select
 import subprocess
@@ -12,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from mlflow import MlflowClient
 
 from stages import translate
 from pipeline.core.config import TranslateConfig
@@ -93,6 +95,16 @@ def test_main_writes_one_line_per_source_line_in_source_order(tmp_path, setup):
         assert lines[:-1] == one_at_a_time(model_dir, tokenized, [encoded[i] for i in range(len(encoded))])
     test_lines = (out / "test.de").read_text(encoding="utf-8").split("\n")[:-1]
     assert len(set(test_lines)) > 1  # the order check above can tell sentences apart
+
+
+def test_the_stage_records_its_decoding_precision_fp32_on_a_cpu(tmp_path, setup, caplog):
+    caplog.set_level(logging.INFO)
+    run_main(tmp_path, setup)
+    assert "decoding in float32" in [r.getMessage() for r in caplog.records]
+    client = MlflowClient()
+    runs = [r for r in client.search_runs([e.experiment_id for e in client.search_experiments()])
+            if r.data.tags.get("stage") == "translate"]  # the module's store: other tests' runs of the stage too
+    assert runs and all(r.data.params["decode_precision"] == "float32" for r in runs)
 
 
 def test_a_translation_batch_matches_translating_sentences_alone(setup):

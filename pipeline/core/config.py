@@ -159,6 +159,9 @@ class TrainConfig:
     timeout_minutes: float = field(metadata={"range": "(0, inf)"})
     # torch.compile the encoder and decoder layers (pipeline/training/compiled.py); eager if compiling fails
     compile: bool = field(metadata={})
+    # the compiled layers replayed as CUDA graphs (torch.compile mode="reduce-overhead", a graph per shape:
+    # pipeline/training/graphs.py); CUDA GPUs only
+    cuda_graphs: bool = field(default=False, metadata={})
     # padded tokens per micro-batch (a process's share of a step split by rows: pipeline/training/plan.py);
     # 0 = from the device: the whole share on a CPU, what fits the memory on a GPU
     micro_batch_tokens: int = field(default=0, metadata={"range": "[0, inf)"})

@@ -84,18 +84,20 @@ def backend() -> str:
     return os.environ.get(BACKEND_ENV, "").strip() or "inductor"
 
 
-def compile_layers(model: Transformer) -> list[nn.Module]:
-    """Compile every encoder and decoder layer of `model` in place; the layers compiled ([] and a warning on failure)."""
+def compile_layers(model: Transformer, mode: str | None = None) -> list[nn.Module]:
+    """Compile every encoder and decoder layer of `model` in place, in torch.compile's `mode` (train.cuda_graphs:
+    pipeline/training/graphs.py); the layers compiled ([] and a warning on failure)."""
     layers = [*model.encoder, *model.decoder]
     _clock.install()
     try:
         for layer in layers:
             # An instance attribute shadowing the class's forward: nn.Module.__call__ runs it, hooks and all.
-            layer.forward = marked(torch.compile(layer.forward, backend=backend()), DYNAMIC_DIMS[type(layer)])
+            layer.forward = marked(torch.compile(layer.forward, backend=backend(), mode=mode), DYNAMIC_DIMS[type(layer)])
     except COMPILE_FAILURES as e:
         fallback(layers, e)
         return []
-    log.info("train.compile: %d encoder and decoder layers compiled (torch.compile, backend %s)", len(layers), backend())
+    log.info("train.compile: %d encoder and decoder layers compiled (torch.compile, backend %s%s)", len(layers),
+             backend(), f", mode {mode}" if mode else "")
     return layers
 
 

@@ -59,7 +59,7 @@ from model.loss import SmoothedLoss, projected_smoothed_and_nll, real_hidden
 from model.schedule import lrate
 from model.transformer import Transformer
 from pipeline.weights import checkpoint as ckpt
-from pipeline.training import attention, compiled, distributed, peak, plan
+from pipeline.training import attention, compiled, distributed, graphs, peak, plan
 from pipeline.weights import faults, fingerprint
 from pipeline.core import signals, tracking
 from pipeline.corpus import steps
@@ -80,7 +80,7 @@ PLOT_COLUMNS = ("step", "loss", "lr", "tokens_per_second", "valid_ppl")
 # back to eager (compiled.py) must resume its own checkpoints, and switching it should not cost the run.
 # micro_batch_tokens: how a process cuts its share into micro-batches; the gradient is summed over them all the same.
 NOT_WEIGHT_SHAPING = ("max_steps", "max_minutes", "eval_every", "log_every", "checkpoint_every", "keep_checkpoints",
-                      "devices", "timeout_minutes", "compile", "micro_batch_tokens")
+                      "devices", "timeout_minutes", "compile", "cuda_graphs", "micro_batch_tokens")
 TRACE_ENV = "STAGES_TRAIN_TRACE"
 
 
@@ -207,7 +207,9 @@ class Trainer:
         distributed.check_same(self.code_hash, "code fingerprint (the project files train imports)", ctx)
         self.progress = self.resume()
         # Compiled after resuming (load_state_dict on the plain module) and inside DDP, which stays eager.
-        self.compiled = compiled.compile_layers(self.model) if cfg.compile else []
+        # train.cuda_graphs: the same layers compiled, replayed as CUDA graphs (graphs.py).
+        self.compiled = (compiled.compile_layers(self.model, graphs.mode(cfg.cuda_graphs))
+                         if cfg.compile or cfg.cuda_graphs else [])
         self.loss_model: nn.Module = SmoothedLoss(self.model, cfg.label_smoothing)  # chunked: no [N, V] logits (model/loss.py)
         if ctx.world > 1 or torch.distributed.is_initialized():  # a group of one too: bench.gpu_check times DDP
             self.loss_model = distributed.ddp(self.loss_model, ctx)  # no buffer sync per forward, on any torch
@@ -445,6 +447,9 @@ class Trainer:
             "step_seconds": p.step_seconds,
             "compile_seconds": p.compile_seconds,  # of step_seconds: train.compile building graphs (compiled.py)
             "compile_graphs": p.compile_graphs,
+            # train.cuda_graphs: CUDA graphs recorded and their memory pool's bytes (None off CUDA or when off)
+            **dict(zip(("cuda_graphs_recorded", "cuda_graphs_pool_bytes"),
+                       graphs.totals(self.ctx.device) if self.cfg.cuda_graphs else (None, None))),
             "flops_analytic": p.flops,
             "flops_paper_estimate": flops_lib.paper_estimate_flops(hours, world, self.peak.fp32_tflops),
             "mfu": flops_lib.mfu(p.flops, p.train_seconds, world, self.peak.flops) if p.train_seconds and self.peak.flops else 0.0,

@@ -1,0 +1,123 @@
+"""What ran inside gpu-check's steps: the attention kernels (profiler kernel names), dynamo's graphs, graph breaks
+and recompiles, and host syncs (bench/gpu_check.py).
+
+    kinds = attention_kernels(names)   # {"flash": 48, "efficient": 96, ...} from CUDA kernel names
+    with profiled(device) as names: step()     # the CUDA kernels one step ran (None off CUDA)
+    with Dynamo() as d: ...; d.graphs, d.graph_breaks, d.recompiles
+    with no_host_syncs(device): steps()        # torch.cuda.set_sync_debug_mode("error") on CUDA
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch._dynamo.utils import counters
+
+ATTENTION = ("cudnn", "flash", "efficient", "math")
+
+
+def attention_kernel(name: str) -> str | None:
+    """Which scaled_dot_product_attention backend a CUDA kernel named `name` belongs to, or None.
+
+    cudnn: cuDNN's fused attention ("cudnn_generated_fort_native_sdpa_sm90_flash_..." names flash too, so first);
+    flash: "pytorch_flash::flash_fwd_kernel", "flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel", ...; efficient:
+    the memory-efficient (xformers' CUTLASS) kernels, "fmha_cutlassF_bf16_aligned_64x128_rf_sm80", "fmha_cutlassB_...",
+    "mem_efficient"; math: a softmax of its own, eager "cunn_SoftMaxForward<..., SoftMaxForwardEpilogue>" or an
+    inductor kernel fusing "_softmax" (the loss's log-softmax is not one: training runs no other softmax).
+    """
+    n = name.lower()
+    if "cudnn" in n:
+        return "cudnn"
+    if "flash" in n:
+        return "flash"
+    if "fmha" in n or "mem_eff" in n or "efficient_attention" in n:
+        return "efficient"
+    if "softmax" in n and "logsoftmax" not in n and "log_softmax" not in n:
+        return "math"
+    return None
+
+
+def attention_kernels(names: Iterable[tuple[str, int]]) -> dict[str, int]:
+    """Calls per backend over (kernel name, calls) pairs, backends that ran only."""
+    found: Counter[str] = Counter()
+    for name, calls in names:
+        if kind := attention_kernel(name):
+            found[kind] += calls
+    return {kind: found[kind] for kind in ATTENTION if found[kind]}
+
+
+@contextlib.contextmanager
+def profiled(device: torch.device) -> Iterator[list[tuple[str, int]] | None]:
+    """The block under torch.profiler on CUDA: the list yielded is filled, on exit, with (kernel name, calls) of
+    every CUDA kernel the block ran. None off CUDA (kernel names are CUDA-only)."""
+    if device.type != "cuda":
+        yield None
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    names: list[tuple[str, int]] = []
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        yield names
+        torch.cuda.synchronize(device)
+    names += [(e.key, e.count) for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+class Dynamo:
+    """What dynamo did inside a block: graphs compiled, graph breaks, and the reasons of each recompile (the
+    reasons from torch._dynamo.convert_frame, where this torch has its hook; else only the count of graphs)."""
+
+    def __init__(self):
+        self.graphs = self.graph_breaks = 0
+        self.recompiles: list[str] = []
+
+    def __enter__(self) -> Dynamo:
+        self._start = (counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()))
+        from torch._dynamo import convert_frame
+
+        self._original = getattr(convert_frame, "get_and_maybe_log_recompilation_reasons", None)
+        if self._original is not None:
+            def reasons(*args, **kwargs):
+                found = self._original(*args, **kwargs)
+                self.recompiles += [" ".join(str(r).split()) for r in found] or ["(no reason given)"]
+                return found
+
+            convert_frame.get_and_maybe_log_recompilation_reasons = reasons
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._original is not None:
+            from torch._dynamo import convert_frame
+
+            convert_frame.get_and_maybe_log_recompilation_reasons = self._original
+        self.graphs = counters["stats"]["unique_graphs"] - self._start[0]
+        self.graph_breaks = sum(counters["graph_break"].values()) - self._start[1]
+
+    def line(self) -> str:
+        said = f"dynamo: {self.graphs} graph(s), {self.graph_breaks} graph break(s), {len(self.recompiles)} recompile(s)"
+        return said + (f" ({'; '.join(r[:200] for r in self.recompiles[:3])})" if self.recompiles else "")
+
+
+class HostSync(RuntimeError):
+    """A timed step synchronised the host with the GPU (torch.cuda.set_sync_debug_mode("error") raised)."""
+
+
+@contextlib.contextmanager
+def no_host_syncs(device: torch.device, on: bool = True) -> Iterator[bool]:
+    """The block with torch.cuda.set_sync_debug_mode("error") on CUDA (where `on`): a host sync raises HostSync.
+    Yields whether the check is on."""
+    if device.type != "cuda" or not on:
+        yield False
+        return
+    before = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield True
+    except RuntimeError as e:
+        if "synchroniz" in str(e):
+            raise HostSync(" ".join(str(e).split())[:300]) from e
+        raise
+    finally:
+        torch.cuda.set_sync_debug_mode(before)

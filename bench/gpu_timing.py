@@ -1,0 +1,109 @@
+"""gpu-check's training lines: the train stage's Trainer.step timed per mode, and what ran inside (bench/gpu_check.py).
+
+Modes (train settings): eager; compiled (train.compile); graphs (train.cuda_graphs: the compiled layers replayed
+as CUDA graphs, pipeline/training/graphs.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bench.gpu_kernels import Dynamo, attention_kernels, no_host_syncs, profiled
+from bench.gpu_setup import WARMUP_STEPS, Setup, digest, fresh, sync, training_data
+from pipeline.core.tracking import StageRun
+from pipeline.training import distributed, graphs
+from pipeline.training.loader import TrainingData
+from pipeline.training.trainer import Trainer
+
+MODES = ("eager", "compiled", "graphs")
+
+
+def timed(step: Callable[[], object], count: Callable[[], tuple[float, float]], steps: int,
+          device: torch.device, check_syncs: bool = True) -> dict:
+    """WARMUP_STEPS calls of `step` (compiling falls here; the last one profiled on CUDA: the attention kernels it
+    ran), then `steps` timed ones (on CUDA under set_sync_debug_mode("error") where `check_syncs`: a host sync
+    raises HostSync); `count`: (target tokens, FLOPs) trained so far. Seconds and dynamo's work of each part apart;
+    tokens/s, FLOP/s and peak memory of the timed part."""
+    start = time.perf_counter()
+    with Dynamo() as warm:
+        for i in range(WARMUP_STEPS):
+            with profiled(device) if i == WARMUP_STEPS - 1 else contextlib.nullcontext() as kernels:
+                step()
+    sync(device)
+    warmup_seconds = time.perf_counter() - start
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    tokens, flops = count()
+    start = time.perf_counter()
+    with Dynamo() as during, no_host_syncs(device, check_syncs) as checked:
+        for _ in range(steps):
+            step()
+    sync(device)
+    seconds = time.perf_counter() - start
+    tokens, flops = count()[0] - tokens, count()[1] - flops
+    return {"tokens_per_s": tokens / seconds, "flops_per_s": flops / seconds, "tokens_per_step": tokens / steps,
+            "memory": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+            "warmup_seconds": warmup_seconds, "warmup_graphs": warm.graphs, "new_graphs": during.graphs,
+            "dynamo": during, "warmup_dynamo": warm, "syncs_checked": checked,
+            "attention": None if kernels is None else attention_kernels(kernels)}
+
+
+def trainer(s: Setup, data: TrainingData, ctx: distributed.Dist, mode: str, checkpoints: Path | None) -> Trainer:
+    """The train stage's Trainer for this preset in `mode` (MODES), writing checkpoints to `checkpoints`."""
+    cfg = replace(s.train_cfg, compile=mode == "compiled", cuda_graphs=mode == "graphs")
+    return Trainer(data, s.model_cfg, cfg, s.max_tokens, ctx, StageRun(), phash="gpu-check", checkpoints=checkpoints)
+
+
+def time_training(s: Setup, data: TrainingData, ctx: distributed.Dist, steps: int, mode: str,
+                  checkpoints: Path | None = None) -> dict:
+    """Trainer.step over its epoch order: timed() (the trainer's own token and FLOP counts; a sync check except
+    where graphs record, which synchronises, at each new shape), the batches each step took and their shapes; with
+    `checkpoints`, then the seconds Trainer.save takes. Trainer.step alone: validation and logging (Trainer.fit)
+    never fall in the timed steps."""
+    fresh(s.device)
+    t = trainer(s, data, ctx, mode, checkpoints)
+    p, taken = t.progress, []
+
+    def step() -> None:
+        order = t.epoch_order()
+        start = p.cursor
+        t.step(order)
+        taken.append([int(b) for b in order[start : p.cursor]])
+
+    r = timed(step, lambda: (p.train_tokens, p.flops), steps, s.device, check_syncs=mode != "graphs")
+    timed_batches = [b for ids in taken[WARMUP_STEPS:] for b in ids]
+    recorded, pool = graphs.totals(s.device) if mode == "graphs" else (None, None)
+    r |= {"accum": t.accum, "peak": t.peak, "trainer": t, "compiled": bool(t.compiled), "epochs": p.epoch + 1,
+          "dtype": distributed.autocast_dtype(s.device), "batches": taken, "corpus": digest(data),
+          "cuda_graphs": recorded, "cuda_graphs_pool": pool,
+          # (pairs, longest source, longest target) with EOS / BOS, before any length-bucket padding
+          "batch_shapes": [(len(data.train_batches[b]), *(int(x.max()) for x in data.lengths(np.array([b]))))
+                           for b in timed_batches]}
+    if checkpoints is not None:
+        start = time.perf_counter()
+        t.save()
+        r["save_seconds"] = time.perf_counter() - start
+    return r
+
+
+def fitting_training(s: Setup, seed: int, ctx: distributed.Dist, steps: int, mode: str, directory: Path,
+                     checkpoints: Path | None = None) -> tuple[dict, Setup]:
+    """time_training on a fresh corpus (`seed`) at the preset's batch size, or halved (accumulation doubled) until a
+    step fits in memory."""
+    while True:
+        data = training_data(s, seed, steps, directory / f"max_tokens{s.max_tokens}")
+        try:
+            return time_training(s, data, ctx, steps, mode, checkpoints) | {"seed": seed}, s
+        except torch.OutOfMemoryError:
+            if s.max_tokens < 256:
+                raise
+        torch.cuda.empty_cache()  # out of the except block: the failed attempt's tensors are garbage now
+        s = replace(s, batch_cfg=replace(s.batch_cfg, max_tokens=s.max_tokens // 2))  # the Trainer doubles accum
+        print(f"  {s.name}: out of memory; batch.max_tokens -> {s.max_tokens}", flush=True)
