@@ -71,3 +71,15 @@ def test_a_cpu_decodes_in_fp32_leaving_the_model_as_it_is():
     before = {k: v.clone() for k, v in model.state_dict().items()}
     assert translate.decoding_precision(model) == torch.float32
     assert all(torch.equal(v, before[k]) and v.dtype == torch.float32 for k, v in model.state_dict().items())
+
+
+def test_the_precision_bench_decodes_the_same_model_in_fp32_and_bf16_and_scores_both(tmp_path, capsys):
+    from bench import decode_precision
+    from tests.translation_fixtures import make_corpus, save_model
+
+    raw, tokenized = make_corpus(tmp_path)
+    results = decode_precision.main(["--model", str(save_model(tmp_path / "model", tokenized)), "--tokenized",
+                                     str(tokenized), "--raw", str(raw), "--dtype", "bf16"])
+    assert list(results) == ["fp32", "bf16"]
+    assert all(len(r["hyps"]) == len(raw.joinpath("test.de").read_text().splitlines()) for r in results.values())
+    assert "bf16 - fp32: sacreBLEU" in capsys.readouterr().out.splitlines()[-1]
