@@ -38,7 +38,8 @@ from pipeline.training import distributed
 from pipeline.core.config import BatchConfig, TrainConfig
 from pipeline.core.files import write_json
 from pipeline.training.loader import TrainingData
-from pipeline.training.trainer import Trainer, params_hash
+from pipeline.training.params import params_hash
+from pipeline.training.trainer import Trainer
 
 log = logging.getLogger(__name__)
 

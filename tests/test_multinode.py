@@ -21,7 +21,7 @@ import torch
 from model.config import ModelConfig
 from pipeline.training import distributed
 from pipeline.core.config import BatchConfig, ParamsError, TrainConfig
-from pipeline.training.trainer import params_hash
+from pipeline.training.params import params_hash
 from stages import train
 from tests.multinode_smoke import (TOLERANCE, final_weights, free_port, max_difference, node_processes,
                                    run_one_process, start_two_nodes)

@@ -11,7 +11,8 @@ from pipeline.corpus import steps
 from pipeline.corpus.batching import make_batches, padding_stats
 from pipeline.core.config import TrainConfig, compose, parse
 from pipeline.training.distributed import Dist
-from pipeline.training.trainer import Progress, Trainer
+from pipeline.training.records import Progress
+from pipeline.training.trainer import Trainer
 
 def paper(n_heads: int, d_model: int, dropout: float, steps: int, last_n: int, tgt_lang: str, tokenize: dict) -> dict:
     """One preset's values from the paper (Sec. 3, Table 3 base and big; Sec. 5.1-5.4; Sec. 6.1): N = 6, d_k = d_v = 64, d_ff = 4 d_model, warmup 4000, eps_ls 0.1."""

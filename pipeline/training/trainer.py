@@ -18,34 +18,25 @@ Stops at train.max_steps: the budget, so the same params give the same
 weights on any machine. train.max_minutes (across resumes) is only a safety
 stop: rank 0's clock decides for every rank, and metrics/train.json records
 stopped_by = "max_minutes" when it fired (else "max_steps").
-Checkpoints (pipeline/weights/checkpoint.py) every checkpoint_every steps and at
-the end, never by the clock, so the checkpoints average takes are the same on any hardware; on start the newest complete checkpoint
-with the same params_hash and made by the same code (pipeline/weights/fingerprint.py:
-every project file train imports) is resumed exactly (weights, Adam, RNGs, data
-position, counters): an interrupted run ends with the same weights as an
-uninterrupted one. A checkpoint of other code is set aside like one of other
-params, unless RESUME_ACROSS_CODE_CHANGE=1: then it is resumed and the crossing
-recorded (metrics code_changes, code_changed_at_step, code_changed_files). Only rank 0 reads and writes checkpoints; it sends the one
-it resumes to every rank (other nodes need not see them), on another world size
-too when a step keeps its batches (params_hash; RNGs: restore_rank_rng).
+Checkpoints every checkpoint_every steps and at the end, never by the clock, so
+the checkpoints average takes are the same on any hardware; on start the newest
+matching one is resumed exactly (run_checkpoints.py).
 Precision: distributed.mixed_precision. train.compile compiles the encoder and decoder layers
 (pipeline/training/compiled.py: checkpoints unchanged); if compiling fails, the step is repeated eager
 and the run stays eager, with one warning. The next step's micro-batches are built
 in a background thread while this one trains (loader.Prefetcher).
 
-Set STAGES_TRAIN_TRACE=DIR to have every rank append, per step, the batches it
-trained on and a checksum of its parameters to DIR/rank<r>.jsonl (tests).
+Beside it in pipeline/training: validation.py (the valid loss and perplexity), records.py (Progress, the plot rows,
+metrics/train.json, the STAGES_TRAIN_TRACE debug lines), params.py (params_hash),
+run_checkpoints.py (Trainer.save and Trainer.resume).
 """
 
 from __future__ import annotations
 
 import gc
-import json
 import logging
-import math
-import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -55,124 +46,27 @@ from pipeline.progress import progress_bar
 
 from model import flops as flops_lib
 from model.config import ModelConfig
-from model.loss import SmoothedLoss, projected_smoothed_and_nll, real_hidden
+from model.loss import SmoothedLoss
 from model.schedule import lrate
 from model.transformer import Transformer
 from pipeline.weights import checkpoint as ckpt
-from pipeline.training import attention, compiled, distributed, graphs, peak, plan
+from pipeline.training import attention, compiled, distributed, graphs, peak, plan, records
 from pipeline.weights import faults, fingerprint
-from pipeline.core import signals, tracking
+from pipeline.core import tracking
 from pipeline.corpus import steps
-from pipeline.core.config import BatchConfig, TrainConfig
+from pipeline.core.config import TrainConfig
 from pipeline.training.distributed import Dist
 from pipeline.core.files import write_text
-from pipeline.corpus.formats import batch_paths
-from pipeline.training.loader import Batch, Prefetcher, TrainingData
+from pipeline.training.loader import Prefetcher, TrainingData
 from pipeline.training.optimizer import build_optimizer, train_step, zero_grads
+from pipeline.training.records import plot_csv, trace, widen
+from pipeline.training.run_checkpoints import RunCheckpoints
+from pipeline.training.validation import validate
 
 log = logging.getLogger(__name__)
 
-PLOT_COLUMNS = ("step", "loss", "lr", "tokens_per_second", "valid_ppl")
-# Train params that do not change the weights of a given step: changing them
-# resumes the old run instead of restarting it (e.g. a larger max_steps continues).
-# devices: a step's batches do not depend on it (pipeline/corpus/steps.py).
-# compile: the same function of the same weights, rounded otherwise (as on another GPU); a run that falls
-# back to eager (compiled.py) must resume its own checkpoints, and switching it should not cost the run.
-# micro_batch_tokens: how a process cuts its share into micro-batches; the gradient is summed over them all the same.
-NOT_WEIGHT_SHAPING = ("max_steps", "max_minutes", "eval_every", "log_every", "checkpoint_every", "keep_checkpoints",
-                      "devices", "timeout_minutes", "compile", "cuda_graphs", "micro_batch_tokens")
-TRACE_ENV = "STAGES_TRAIN_TRACE"
 
-
-@torch.no_grad()
-def validate(model: Transformer, batches: list[Batch], label_smoothing: float, ctx: Dist, autocast) -> dict[str, float]:
-    """valid_loss (label-smoothed) and valid_nll per real target token, valid_ppl = exp(nll), over all ranks.
-
-    The loss chunked as in training (projected_smoothed_and_nll): no [N, V] logits, whatever a batch's size."""
-    model.eval()
-    sums = torch.zeros(3, dtype=torch.float64, device=ctx.device)  # smoothed, nll, tokens
-    for b in batches:
-        with autocast:
-            hidden, targets = real_hidden(model, b.src, b.tgt_in, b.labels, b.tokens)
-            smoothed, nll = projected_smoothed_and_nll(hidden, model.embedding.weight, targets, label_smoothing)
-        sums[0] += smoothed
-        sums[1] += nll
-        sums[2] += b.tokens
-    model.train()
-    smoothed, nll, tokens = distributed.all_sum(sums, ctx).tolist()
-    tokens = max(tokens, 1.0)
-    return {"valid_loss": smoothed / tokens, "valid_nll": nll / tokens, "valid_ppl": math.exp(nll / tokens)}
-
-
-@dataclass
-class Progress:
-    """Everything besides weights, Adam and RNGs that a resumed run must continue from."""
-
-    step: int = 0
-    epoch: int = 0
-    cursor: int = 0  # next position in the epoch's batch order
-    train_tokens: int = 0  # real target tokens (with EOS)
-    src_tokens: int = 0  # real source tokens (with EOS)
-    step_tokens_range: list[int] = field(default_factory=list)  # [src min, src max, tgt min, tgt max] over the steps
-    flops: float = 0.0
-    elapsed_seconds: float = 0.0  # wall clock of the training loop (evaluation and checkpoints included)
-    step_seconds: float = 0.0  # time in training steps only (tokens per second, MFU)
-    compile_seconds: float = 0.0  # of step_seconds, compiling (train.compile: graphs built inside a step)
-    compile_graphs: int = 0  # graphs torch.compile built inside steps
-    valid: dict = field(default_factory=dict)
-    plot_rows: list = field(default_factory=list)
-    code_changes: list = field(default_factory=list)  # [{"step", "files"}]: resumed across a code change
-
-    @property
-    def train_seconds(self) -> float:
-        """Time in training steps, less their compiling: what tokens per second and MFU are over."""
-        return max(self.step_seconds - self.compile_seconds, 0.0)
-
-
-def params_hash(model_cfg: ModelConfig, train_cfg: TrainConfig, batch: BatchConfig, tokenized: Path,
-                batches: Path) -> str:
-    """sha256 of what shapes the weights: model, train (less NOT_WEIGHT_SHAPING), batch.max_tokens and
-    length_bucket_step (how batches are padded), the data, and the stored batches per step, which the world size
-    does not change: 2 processes x 1 batch resume 1 process x 2 (and the reverse)."""
-    train = {k: v for k, v in asdict(train_cfg).items() if k not in NOT_WEIGHT_SHAPING}
-    step_batches = steps.batches_per_step(train_cfg.tokens_per_step, batch.max_tokens)
-    files = [p for p in (tokenized / "meta.json", tokenized / "spm.model", *batch_paths(batches, "train")) if p.exists()]
-    return ckpt.fingerprint({"model": asdict(model_cfg), "train": train, "batch.max_tokens": batch.max_tokens,
-                             "batch.length_bucket_step": batch.length_bucket_step, "batches_per_step": step_batches},
-                            files)
-
-
-def plot_csv(rows: list[list]) -> str:
-    lines = [",".join(PLOT_COLUMNS)]
-    lines += [",".join("" if v is None else (str(v) if isinstance(v, int) else f"{v:.6g}") for v in r) for r in rows]
-    return "\n".join(lines) + "\n"
-
-
-def trace(ctx: Dist, step: int, pieces: tuple[tuple[int, int], ...], model: nn.Module) -> None:
-    """Debug record for tests: this rank's batches of `step` (and their row parts), a checksum of its parameters."""
-    directory = os.environ.get(TRACE_ENV)
-    if directory:
-        checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
-        record = {"step": step, "batches": [b for b, _ in pieces], "parts": [p for _, p in pieces], "checksum": checksum}
-        with open(Path(directory) / f"rank{ctx.rank}.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
-
-
-def widen(bounds: list, src: int, tgt: int) -> list:
-    """[src min, src max, tgt min, tgt max] widened to take in one more step's real tokens."""
-    if not bounds:
-        return [src, src, tgt, tgt]
-    return [min(bounds[0], src), max(bounds[1], src), min(bounds[2], tgt), max(bounds[3], tgt)]
-
-
-def step_tokens_metrics(p: Progress) -> dict[str, float]:
-    """Real source and target tokens per step (mean, min, max) of the steps trained so far."""
-    lo_s, hi_s, lo_t, hi_t = p.step_tokens_range or [0, 0, 0, 0]
-    return steps.per_step_metrics("src", p.src_tokens, p.step, lo_s, hi_s) | steps.per_step_metrics(
-        "tgt", p.train_tokens, p.step, lo_t, hi_t)
-
-
-class Trainer:
+class Trainer(RunCheckpoints):
     """One training run, fresh or resumed: model, Adam, data position and counters; rank 0 writes.
 
     `checkpoints` and `plot` may be None (benchmarks): then nothing is resumed or written.
@@ -234,52 +128,6 @@ class Trainer:
         them may be waiting for (a gloo rank hung at exit so)."""
         self.loss_model = None
         gc.collect()
-
-    def resume(self) -> Progress:
-        """Load the newest matching checkpoint (rank 0 reads it and sends it to every rank), else start afresh."""
-        if self.checkpoints is None:
-            return Progress()
-        across = os.environ.get(ckpt.ACROSS_CODE_CHANGE_ENV, "") == "1"
-        found = ckpt.resume_point(self.checkpoints, self.phash, self.code, across) if self.ctx.is_main else None
-        path, state, changed = distributed.broadcast_object(found or (None, None, []), self.ctx)
-        if path is None:
-            return Progress()
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        if "scaler" in state:
-            self.scaler.load_state_dict(state["scaler"])
-        progress = Progress(**state["progress"])
-        if not ckpt.restore_rank_rng(state["rng"], self.ctx.rank, self.ctx.world, self.cfg.seed, progress.step):
-            log.warning("checkpoint of %d process(es) resumed by %d: dropout RNGs seeded afresh from (train.seed, "
-                        "step, rank); the weights equal an uninterrupted run's only without dropout",
-                        len(state["rng"]), self.ctx.world)
-        log.info("resuming from step %d (%s)", progress.step, path)
-        if changed:
-            log.warning("resuming %s across a code change (%s=1): %s differ; recorded in metrics and MLflow",
-                        path.name, ckpt.ACROSS_CODE_CHANGE_ENV, ", ".join(changed))
-            progress.code_changes.append({"step": progress.step, "files": changed})
-            self.run.set_tags({f"code_change_at_step_{progress.step}": ", ".join(changed)})
-        self.saved_step = progress.step
-        self.run.set_tags({"resumed_from_step": progress.step})
-        return progress
-
-    def save(self) -> None:
-        rngs = distributed.gather_objects(ckpt.capture_rng(), self.ctx)
-        if self.ctx.is_main and self.checkpoints is not None:
-            p = self.progress
-            state = {  # weights_only-loadable: see pipeline/weights/checkpoint.py and the average stage
-                "step": p.step, "model": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
-                "model_config": asdict(self.model_cfg), "vocab_size": self.data.vocab_size,
-                "params_hash": self.phash, "code": self.code, "code_hash": self.code_hash,
-                "optimizer": self.optimizer.state_dict(), "rng": rngs,
-                **({"scaler": self.scaler.state_dict()} if self.scaler.is_enabled() else {}),
-                "data_position": {"epoch": p.epoch, "cursor": p.cursor}, "elapsed_seconds": p.elapsed_seconds,
-                "train_tokens": p.train_tokens, "progress": asdict(p),
-            }
-            with signals.held():  # a Ctrl-C while saving is raised once saved_step names the checkpoint on disk
-                saved = ckpt.save_checkpoint(self.checkpoints, state, self.cfg.keep_checkpoints)
-                self.saved_step = p.step
-            log.info("step %d: saved %s", p.step, saved)
 
     def record(self, row: list) -> None:
         """Append a plot row (step, loss, lr, tokens_per_second, valid_ppl) and rewrite the CSV."""
@@ -432,37 +280,8 @@ class Trainer:
         return self.metrics()
 
     def metrics(self) -> dict:
-        """metrics/train.json: flat, the DVC record of the run. tokens_per_second and mfu are over the steps' time
-        less their compiling (step_seconds - compile_seconds: Progress.train_seconds), so a compiled run's rate
-        is its steady one; step_seconds is every step's time, compiling included."""
-        p, world = self.progress, self.ctx.world
-        hours = p.elapsed_seconds / 3600
-        return {
-            "steps": p.step,
-            "stopped_by": "max_minutes" if self.stopped_by_time else "max_steps",
-            "epochs": p.epoch + p.cursor / max(len(self.data.train_batches), 1),
-            "train_tokens": p.train_tokens,  # real target tokens trained on
-            **step_tokens_metrics(p),
-            "train_hours": hours,
-            "step_seconds": p.step_seconds,
-            "compile_seconds": p.compile_seconds,  # of step_seconds: train.compile building graphs (compiled.py)
-            "compile_graphs": p.compile_graphs,
-            # train.cuda_graphs: CUDA graphs recorded and their memory pool's bytes (None off CUDA or when off)
-            **dict(zip(("cuda_graphs_recorded", "cuda_graphs_pool_bytes"),
-                       graphs.totals(self.ctx.device) if self.cfg.cuda_graphs else (None, None))),
-            "flops_analytic": p.flops,
-            "flops_paper_estimate": flops_lib.paper_estimate_flops(hours, world, self.peak.fp32_tflops),
-            "mfu": flops_lib.mfu(p.flops, p.train_seconds, world, self.peak.flops) if p.train_seconds and self.peak.flops else 0.0,
-            "peak_flops": self.peak.flops,
-            "peak_flops_source": self.peak.source,
-            "tokens_per_second": p.train_tokens / p.train_seconds if p.train_seconds else 0.0,
-            "device": self.peak.device,
-            "devices": world,
-            "grad_accum": self.accum,
-            "code_hash": self.code_hash,
-            "code_changes": len(p.code_changes),  # resumes across a code change (RESUME_ACROSS_CODE_CHANGE=1)
-            "code_changed_at_step": p.code_changes[-1]["step"] if p.code_changes else None,
-            "code_changed_files": ", ".join(p.code_changes[-1]["files"]) if p.code_changes else "",
-            "params_hash": self.phash,
-            **p.valid,
-        }
+        """metrics/train.json (records.train_metrics): flat, the DVC record of the run."""
+        return records.train_metrics(
+            self.progress, stopped_by_time=self.stopped_by_time, train_batches=len(self.data.train_batches),
+            cuda_graphs=graphs.totals(self.ctx.device) if self.cfg.cuda_graphs else (None, None), peak=self.peak,
+            world=self.ctx.world, accum=self.accum, code_hash=self.code_hash, phash=self.phash)

@@ -1,0 +1,40 @@
+"""The train stage's params_hash: what shapes the weights, apart from the code (pipeline/weights/fingerprint.py).
+
+    phash = params_hash(model_cfg, train_cfg, batch_cfg, tokenized, batches)
+
+A checkpoint is resumed only by a run of the same params_hash (pipeline/weights/checkpoint.py, resume_point);
+the params in NOT_WEIGHT_SHAPING are left out, so changing one resumes the old run instead of restarting it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+
+from model.config import ModelConfig
+from pipeline.core.config import BatchConfig, TrainConfig
+from pipeline.corpus import steps
+from pipeline.corpus.formats import batch_paths
+from pipeline.weights import checkpoint as ckpt
+
+# Train params that do not change the weights of a given step: changing them
+# resumes the old run instead of restarting it (e.g. a larger max_steps continues).
+# devices: a step's batches do not depend on it (pipeline/corpus/steps.py).
+# compile: the same function of the same weights, rounded otherwise (as on another GPU); a run that falls
+# back to eager (compiled.py) must resume its own checkpoints, and switching it should not cost the run.
+# micro_batch_tokens: how a process cuts its share into micro-batches; the gradient is summed over them all the same.
+NOT_WEIGHT_SHAPING = ("max_steps", "max_minutes", "eval_every", "log_every", "checkpoint_every", "keep_checkpoints",
+                      "devices", "timeout_minutes", "compile", "cuda_graphs", "micro_batch_tokens")
+
+
+def params_hash(model_cfg: ModelConfig, train_cfg: TrainConfig, batch: BatchConfig, tokenized: Path,
+                batches: Path) -> str:
+    """sha256 of what shapes the weights: model, train (less NOT_WEIGHT_SHAPING), batch.max_tokens and
+    length_bucket_step (how batches are padded), the data, and the stored batches per step, which the world size
+    does not change: 2 processes x 1 batch resume 1 process x 2 (and the reverse)."""
+    train = {k: v for k, v in asdict(train_cfg).items() if k not in NOT_WEIGHT_SHAPING}
+    step_batches = steps.batches_per_step(train_cfg.tokens_per_step, batch.max_tokens)
+    files = [p for p in (tokenized / "meta.json", tokenized / "spm.model", *batch_paths(batches, "train")) if p.exists()]
+    return ckpt.fingerprint({"model": asdict(model_cfg), "train": train, "batch.max_tokens": batch.max_tokens,
+                             "batch.length_bucket_step": batch.length_bucket_step, "batches_per_step": step_batches},
+                            files)

@@ -1,0 +1,85 @@
+"""The Trainer's checkpoints: what a run saves, and the checkpoint it resumes from.
+
+    class Trainer(RunCheckpoints)      # pipeline/training/trainer.py
+    trainer.save()                     # every rank gathers its RNGs to rank 0, which writes the checkpoint
+    progress = trainer.resume()        # in the constructor: the newest matching checkpoint, else Progress()
+
+Checkpoints (pipeline/weights/checkpoint.py: the files, sealed) are written every
+checkpoint_every steps and at the end, never by the clock, so the checkpoints
+average takes are the same on any hardware; on start the newest complete checkpoint
+with the same params_hash (pipeline/training/params.py) and made by the same code
+(pipeline/weights/fingerprint.py: every project file train imports) is resumed
+exactly (weights, Adam, RNGs, data position, counters): an interrupted run ends
+with the same weights as an uninterrupted one. A checkpoint of other code is set
+aside like one of other params, unless RESUME_ACROSS_CODE_CHANGE=1: then it is
+resumed and the crossing recorded (metrics code_changes, code_changed_at_step,
+code_changed_files). Only rank 0 reads and writes checkpoints; it sends the one
+it resumes to every rank (other nodes need not see them), on another world size
+too when a step keeps its batches (params_hash; RNGs: restore_rank_rng).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import asdict
+
+from pipeline.core import signals
+from pipeline.training import distributed
+from pipeline.training.records import Progress
+from pipeline.weights import checkpoint as ckpt
+
+log = logging.getLogger(__name__)
+
+
+class RunCheckpoints:
+    """Trainer.save and Trainer.resume. They use the Trainer's attributes: checkpoints (None: neither reads nor
+    writes), ctx, cfg, run, phash, code, code_hash, model, model_cfg, data, optimizer, scaler, progress, and set
+    saved_step (the newest checkpoint written or resumed from)."""
+
+    def resume(self) -> Progress:
+        """Load the newest matching checkpoint (rank 0 reads it and sends it to every rank), else start afresh."""
+        if self.checkpoints is None:
+            return Progress()
+        across = os.environ.get(ckpt.ACROSS_CODE_CHANGE_ENV, "") == "1"
+        found = ckpt.resume_point(self.checkpoints, self.phash, self.code, across) if self.ctx.is_main else None
+        path, state, changed = distributed.broadcast_object(found or (None, None, []), self.ctx)
+        if path is None:
+            return Progress()
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if "scaler" in state:
+            self.scaler.load_state_dict(state["scaler"])
+        progress = Progress(**state["progress"])
+        if not ckpt.restore_rank_rng(state["rng"], self.ctx.rank, self.ctx.world, self.cfg.seed, progress.step):
+            log.warning("checkpoint of %d process(es) resumed by %d: dropout RNGs seeded afresh from (train.seed, "
+                        "step, rank); the weights equal an uninterrupted run's only without dropout",
+                        len(state["rng"]), self.ctx.world)
+        log.info("resuming from step %d (%s)", progress.step, path)
+        if changed:
+            log.warning("resuming %s across a code change (%s=1): %s differ; recorded in metrics and MLflow",
+                        path.name, ckpt.ACROSS_CODE_CHANGE_ENV, ", ".join(changed))
+            progress.code_changes.append({"step": progress.step, "files": changed})
+            self.run.set_tags({f"code_change_at_step_{progress.step}": ", ".join(changed)})
+        self.saved_step = progress.step
+        self.run.set_tags({"resumed_from_step": progress.step})
+        return progress
+
+    def save(self) -> None:
+        """Checkpoint the run now: every rank's RNGs gathered, rank 0 writes (none when checkpoints is None)."""
+        rngs = distributed.gather_objects(ckpt.capture_rng(), self.ctx)
+        if self.ctx.is_main and self.checkpoints is not None:
+            p = self.progress
+            state = {  # weights_only-loadable: see pipeline/weights/checkpoint.py and the average stage
+                "step": p.step, "model": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
+                "model_config": asdict(self.model_cfg), "vocab_size": self.data.vocab_size,
+                "params_hash": self.phash, "code": self.code, "code_hash": self.code_hash,
+                "optimizer": self.optimizer.state_dict(), "rng": rngs,
+                **({"scaler": self.scaler.state_dict()} if self.scaler.is_enabled() else {}),
+                "data_position": {"epoch": p.epoch, "cursor": p.cursor}, "elapsed_seconds": p.elapsed_seconds,
+                "train_tokens": p.train_tokens, "progress": asdict(p),
+            }
+            with signals.held():  # a Ctrl-C while saving is raised once saved_step names the checkpoint on disk
+                saved = ckpt.save_checkpoint(self.checkpoints, state, self.cfg.keep_checkpoints)
+                self.saved_step = p.step
+            log.info("step %d: saved %s", p.step, saved)
