@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 
 SEMANTIC_EDITS = {  # a change to what training computes, in each part of it: file -> (old, new)
     "model/schedule.py": ("return d_model**-0.5 * min(", "return 0.5 * d_model**-0.5 * min("),
-    "model/loss.py": ("eps, V, chunk = label_smoothing, weight.shape[0]", "eps, V, chunk = label_smoothing / 2, weight.shape[0]"),
+    "model/loss.py": ("eps, chunk = label_smoothing, chunk or", "eps, chunk = label_smoothing / 2, chunk or"),
     "model/transformer.py": ("self.embedding(tokens) * math.sqrt(self.d_model)",
                              "self.embedding(tokens) * 0.5 * math.sqrt(self.d_model)"),
     "pipeline/training/optimizer.py": ('group["lr"] = lr\n', 'group["lr"] = lr * 0.5\n'),
