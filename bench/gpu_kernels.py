@@ -4,14 +4,16 @@ and recompiles, and host syncs (bench/gpu_check.py).
     kinds = attention_kernels(names)   # {"flash": 48, "efficient": 96, ...} from CUDA kernel names
     with profiled(device) as names: step()     # the CUDA kernels one step ran (None off CUDA)
     with Dynamo() as d: ...; d.graphs, d.graph_breaks, d.recompiles
-    with no_host_syncs(device): steps()        # torch.cuda.set_sync_debug_mode("error") on CUDA
+    with no_host_syncs(device) as seen: steps()  # torch.cuda.set_sync_debug_mode("warn") on CUDA; seen.syncs
 """
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections import Counter
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 
 import torch
 from torch._dynamo.utils import counters
@@ -100,24 +102,30 @@ class Dynamo:
         return said + (f" ({'; '.join(r[:200] for r in self.recompiles[:3])})" if self.recompiles else "")
 
 
-class HostSync(RuntimeError):
-    """A timed step synchronised the host with the GPU (torch.cuda.set_sync_debug_mode("error") raised)."""
+@dataclass
+class SyncCheck:
+    """What no_host_syncs saw: whether it watched (CUDA only), and each synchronising call's warning."""
+
+    checked: bool = False
+    syncs: list[str] = field(default_factory=list)
 
 
 @contextlib.contextmanager
-def no_host_syncs(device: torch.device, on: bool = True) -> Iterator[bool]:
-    """The block with torch.cuda.set_sync_debug_mode("error") on CUDA (where `on`): a host sync raises HostSync.
-    Yields whether the check is on."""
+def no_host_syncs(device: torch.device, on: bool = True) -> Iterator[SyncCheck]:
+    """The block with torch.cuda.set_sync_debug_mode("warn") on CUDA (where `on`): every synchronising call is
+    recorded (SyncCheck.syncs), so the steps still run whole and their timing stands; the caller fails the line
+    where any was seen."""
+    seen = SyncCheck()
     if device.type != "cuda" or not on:
-        yield False
+        yield seen
         return
     before = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
+    torch.cuda.set_sync_debug_mode("warn")
+    seen.checked = True
     try:
-        yield True
-    except RuntimeError as e:
-        if "synchroniz" in str(e):
-            raise HostSync(" ".join(str(e).split())[:300]) from e
-        raise
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield seen
     finally:
         torch.cuda.set_sync_debug_mode(before)
+    seen.syncs = [" ".join(str(w.message).split())[:200] for w in caught if "synchroniz" in str(w.message)]

@@ -28,8 +28,8 @@ MODES = ("eager", "compiled", "graphs")
 def timed(step: Callable[[], object], count: Callable[[], tuple[float, float]], steps: int,
           device: torch.device, check_syncs: bool = True) -> dict:
     """WARMUP_STEPS calls of `step` (compiling falls here; the last one profiled on CUDA: the attention kernels it
-    ran), then `steps` timed ones (on CUDA under set_sync_debug_mode("error") where `check_syncs`: a host sync
-    raises HostSync); `count`: (target tokens, FLOPs) trained so far. Seconds and dynamo's work of each part apart;
+    ran), then `steps` timed ones (on CUDA under set_sync_debug_mode where `check_syncs`: each host sync is
+    recorded); `count`: (target tokens, FLOPs) trained so far. Seconds and dynamo's work of each part apart;
     tokens/s, FLOP/s and peak memory of the timed part."""
     start = time.perf_counter()
     with Dynamo() as warm:
@@ -51,7 +51,7 @@ def timed(step: Callable[[], object], count: Callable[[], tuple[float, float]], 
     return {"tokens_per_s": tokens / seconds, "flops_per_s": flops / seconds, "tokens_per_step": tokens / steps,
             "memory": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
             "warmup_seconds": warmup_seconds, "warmup_graphs": warm.graphs, "new_graphs": during.graphs,
-            "dynamo": during, "warmup_dynamo": warm, "syncs_checked": checked,
+            "dynamo": during, "warmup_dynamo": warm, "syncs_checked": checked.checked, "host_syncs": checked.syncs,
             "attention": None if kernels is None else attention_kernels(kernels)}
 
 

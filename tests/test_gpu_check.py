@@ -187,3 +187,12 @@ def test_gpu_check_prints_the_reference_then_each_mode_on_its_own_corpus_then_de
     assert re.fullmatch(r"base: beam 4, the translate stage's precision, fp32 weights: [\d.]+ sentences/s "
                         r"\(translate_ids\)", decode_stage), decode_stage
     assert re.fullmatch(r"base: beam 4, fp32: [\d.]+ sentences/s \(translate_ids\)", decode_fp32), decode_fp32
+
+
+def test_a_host_sync_in_the_timed_steps_fails_the_line_and_keeps_its_figures():
+    synced = {"attention": {"efficient": 96}, "host_syncs": ["called a synchronizing CUDA operation"],
+              "syncs_checked": True, "dynamo": None}
+    [failure] = gpu_check.failures_of("base", "eager", synced, torch.device("cuda", 0))
+    assert "1 host sync(s) in the timed steps: called a synchronizing CUDA operation" in failure
+    assert "1 host sync(s) in the timed steps" in gpu_check.inside_line("base", "eager", synced)
+    assert gpu_check.failures_of("base", "eager", synced | {"host_syncs": []}, torch.device("cuda", 0)) == []
