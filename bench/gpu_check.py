@@ -87,6 +87,9 @@ def training_line(name: str, mode: str, r: dict, reference: dict, s: Setup) -> s
     if compiled and not r["compiled"]:
         mode = f"{mode} (torch.compile failed, warning above: trained eager)"
     new = f"; {r['new_graphs']} graph(s) compiled during the timed steps" if compiled or r["new_graphs"] else ""
+    if r.get("timed_compile_seconds"):
+        new += (f" in {r['timed_compile_seconds']:.1f} s, left out of the rate "
+                f"({r['wall_tokens_per_s']:,.0f} target tokens/s with them)")
     steps = len(r["batches"]) - WARMUP_STEPS
     return (f"{name} {mode}: {figures(r)}, {r['tokens_per_s'] / reference['tokens_per_s']:.2f}x of the reference "
             f"({warmup(r, compiled)}{new}; {steps} timed steps of a fresh corpus (seed {r['seed']}), "

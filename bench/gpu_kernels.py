@@ -19,6 +19,7 @@ import torch
 from torch._dynamo.utils import counters
 
 ATTENTION = ("cudnn", "flash", "efficient", "math")
+MATH_OP = "aten::_scaled_dot_product_attention_math"  # the math backend: composite ops, no kernel of its own
 
 
 def attention_kernel(name: str) -> str | None:
@@ -27,8 +28,9 @@ def attention_kernel(name: str) -> str | None:
     cudnn: cuDNN's fused attention ("cudnn_generated_fort_native_sdpa_sm90_flash_..." names flash too, so first);
     flash: "pytorch_flash::flash_fwd_kernel", "flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel", ...; efficient:
     the memory-efficient (xformers' CUTLASS) kernels, "fmha_cutlassF_bf16_aligned_64x128_rf_sm80", "fmha_cutlassB_...",
-    "mem_efficient"; math: a softmax of its own, eager "cunn_SoftMaxForward<..., SoftMaxForwardEpilogue>" or an
-    inductor kernel fusing "_softmax" (the loss's log-softmax is not one: training runs no other softmax).
+    "mem_efficient"; math: the aten op "aten::_scaled_dot_product_attention_math" (profiled() adds the CPU ops
+    naming a backend: math runs no kernel of its own, and a softmax kernel may be the loss's, whose fused chunk
+    inductor names after the softmax it computes).
     """
     n = name.lower()
     if "cudnn" in n:
@@ -37,7 +39,7 @@ def attention_kernel(name: str) -> str | None:
         return "flash"
     if "fmha" in n or "mem_eff" in n or "efficient_attention" in n:
         return "efficient"
-    if "softmax" in n and "logsoftmax" not in n and "log_softmax" not in n:
+    if "attention_math" in n:
         return "math"
     return None
 
@@ -54,17 +56,19 @@ def attention_kernels(names: Iterable[tuple[str, int]]) -> dict[str, int]:
 @contextlib.contextmanager
 def profiled(device: torch.device) -> Iterator[list[tuple[str, int]] | None]:
     """The block under torch.profiler on CUDA: the list yielded is filled, on exit, with (kernel name, calls) of
-    every CUDA kernel the block ran. None off CUDA (kernel names are CUDA-only)."""
+    every CUDA kernel the block ran, and of the math attention's aten op (MATH_OP, which has no kernel of its
+    own). None off CUDA (kernel names are CUDA-only)."""
     if device.type != "cuda":
         yield None
         return
     from torch.profiler import ProfilerActivity, profile
 
     names: list[tuple[str, int]] = []
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         yield names
         torch.cuda.synchronize(device)
-    names += [(e.key, e.count) for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    names += [(e.key, e.count) for e in prof.key_averages()
+              if e.device_type == torch.autograd.DeviceType.CUDA or e.key == MATH_OP]
 
 
 class Dynamo:

@@ -26,11 +26,13 @@ MODES = ("eager", "compiled", "graphs")
 
 
 def timed(step: Callable[[], object], count: Callable[[], tuple[float, float]], steps: int,
-          device: torch.device, check_syncs: bool = True) -> dict:
+          device: torch.device, check_syncs: bool = True, compiling: Callable[[], float] = lambda: 0.0) -> dict:
     """WARMUP_STEPS calls of `step` (compiling falls here; the last one profiled on CUDA: the attention kernels it
     ran), then `steps` timed ones (on CUDA under set_sync_debug_mode where `check_syncs`: each host sync is
     recorded); `count`: (target tokens, FLOPs) trained so far. Seconds and dynamo's work of each part apart;
-    tokens/s, FLOP/s and peak memory of the timed part."""
+    tokens/s, FLOP/s and peak memory of the timed part, over its seconds less those `compiling` (seconds spent
+    compiling so far) grew by: a graph compiled once during the timed steps is a one-off cost of the run, not its
+    rate (its seconds are given apart)."""
     start = time.perf_counter()
     with Dynamo() as warm:
         for i in range(WARMUP_STEPS):
@@ -41,14 +43,16 @@ def timed(step: Callable[[], object], count: Callable[[], tuple[float, float]], 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     tokens, flops = count()
-    start = time.perf_counter()
+    compiled_before, start = compiling(), time.perf_counter()
     with Dynamo() as during, no_host_syncs(device, check_syncs) as checked:
         for _ in range(steps):
             step()
     sync(device)
-    seconds = time.perf_counter() - start
+    seconds, compile_seconds = time.perf_counter() - start, compiling() - compiled_before
     tokens, flops = count()[0] - tokens, count()[1] - flops
-    return {"tokens_per_s": tokens / seconds, "flops_per_s": flops / seconds, "tokens_per_step": tokens / steps,
+    rate_seconds = max(seconds - compile_seconds, 1e-9)
+    return {"tokens_per_s": tokens / rate_seconds, "flops_per_s": flops / rate_seconds, "tokens_per_step": tokens / steps,
+            "timed_compile_seconds": compile_seconds, "wall_tokens_per_s": tokens / seconds,
             "memory": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
             "warmup_seconds": warmup_seconds, "warmup_graphs": warm.graphs, "new_graphs": during.graphs,
             "dynamo": during, "warmup_dynamo": warm, "syncs_checked": checked.checked, "host_syncs": checked.syncs,
@@ -77,7 +81,8 @@ def time_training(s: Setup, data: TrainingData, ctx: distributed.Dist, steps: in
         t.step(order)
         taken.append([int(b) for b in order[start : p.cursor]])
 
-    r = timed(step, lambda: (p.train_tokens, p.flops), steps, s.device, check_syncs=mode != "graphs")
+    r = timed(step, lambda: (p.train_tokens, p.flops), steps, s.device, check_syncs=mode != "graphs",
+              compiling=lambda: p.compile_seconds)
     timed_batches = [b for ids in taken[WARMUP_STEPS:] for b in ids]
     recorded, pool = graphs.totals(s.device) if mode == "graphs" else (None, None)
     r |= {"accum": t.accum, "peak": t.peak, "trainer": t, "compiled": bool(t.compiled), "epochs": p.epoch + 1,

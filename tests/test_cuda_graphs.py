@@ -8,6 +8,7 @@ tests/test_step_syncs.py's; the recording itself needs a GPU (make gpu-check, it
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -59,3 +60,20 @@ def test_the_layers_compile_in_reduce_overhead_mode_with_inductor_only(monkeypat
     monkeypatch.setenv(compiled.BACKEND_ENV, "aot_eager")  # a backend without modes: compiled as train.compile
     assert graphs.mode(True) is None
     assert graphs.totals(CPU) == (None, None)
+
+
+def test_each_training_step_tells_the_cuda_graph_trees_a_new_step_begins(monkeypatch, tmp_path):
+    """Without cudagraph_mark_step_begin, every replay finds the last step's backward pending and runs the slow
+    path (seen on an H200: "Unable to hit fast path of CUDAGraphs because of pending, uninvoked backwards")."""
+    calls = []
+    monkeypatch.setattr(graphs, "step_begins", lambda: calls.append(1))
+    monkeypatch.setenv(compiled.BACKEND_ENV, "eager")
+    s = gpu_setup.preset("base", CPU, tiny=True)
+    data = gpu_setup.stream(s, seed=7, pairs=200, directory=tmp_path)
+    cfg = replace(s.train_cfg, cuda_graphs=True)  # on a CPU the layers compile as train.compile (no recording)
+    t = Trainer(data, s.model_cfg, cfg, s.max_tokens, distributed.Dist(0, 1, 0, CPU), StageRun(), phash="")
+    assert t.compiled
+    for _ in range(3):
+        t.step(t.epoch_order())
+    t.close()
+    assert len(calls) == 3

@@ -33,6 +33,13 @@ def mode(cuda_graphs: bool) -> str | None:
     return MODE
 
 
+def step_begins() -> None:
+    """Tell the CUDA-graph trees a training step begins: the last step's graphs (their backward run) are done with,
+    so their replays may reuse the pool. Without it, each replay finds "pending, uninvoked backwards" and runs the
+    slow path, copying its outputs out of the pool."""
+    torch.compiler.cudagraph_mark_step_begin()
+
+
 def totals(device: torch.device) -> tuple[int | None, int | None]:
     """(graphs recorded, bytes of their memory pool) by inductor's CUDA-graph trees on `device` so far; (None, None)
     off CUDA. Read from torch internals (torch._inductor.cudagraph_trees), so (None, None) where they differ."""

@@ -160,6 +160,8 @@ class Trainer(RunCheckpoints):
         S, T = self.data.lengths(step_ids)
         lr = self.cfg.lr_factor * lrate(p.step + 1, self.model_cfg.d_model, self.cfg.warmup_steps)
         faults.inject("step", p.step + 1)  # tests only: TRANSFORMER_FAULT=step@N kills the process here
+        if self.cfg.cuda_graphs and self.compiled:
+            graphs.step_begins()
         loss_sum = self.compiled_or_eager(lambda: train_step(self.loss_model, self.optimizer, micro, int(T.sum()), lr,
                                                              ctx, self.autocast, self.scaler))
         p.step += 1
