@@ -21,7 +21,7 @@ from mlflow.tracking import MlflowClient
 
 from model import flops as flops_lib
 from model import loss as loss_lib
-from model.schedule import cooldown, lrate
+from model.schedule import lrate
 from model.config import ModelConfig
 from model.transformer import Transformer
 from pipeline.training import distributed, peak
@@ -34,7 +34,7 @@ from pipeline.weights.checkpoint import complete_checkpoints, load_checkpoint
 from pipeline.core.config import ParamsError
 from pipeline.corpus.formats import BOS_ID, EOS_ID, PAD_ID, load_batches, load_split
 from pipeline.training.loader import collate
-from tests.train_fixtures import MODEL, ROOT, TRAIN, VOCAB, stage_args, stage_env, torchrun, write_corpus, write_params
+from tests.train_fixtures import MODEL, ROOT, VOCAB, stage_args, stage_env, torchrun, write_corpus, write_params
 
 
 @pytest.fixture(scope="module")
@@ -83,34 +83,6 @@ def test_lrate_is_the_papers_formula_with_its_peak_at_warmup():
     assert lrate(warmup, d_model, warmup) == pytest.approx(512**-0.5 * 4000**-0.5)
     with pytest.raises(ValueError):
         lrate(0, d_model, warmup)
-
-
-def test_the_cool_down_falls_linearly_over_the_last_steps_and_never_reaches_zero():
-    assert [cooldown(s, 10, 0) for s in (1, 5, 10)] == [1.0, 1.0, 1.0]  # 0: the paper's schedule
-    assert [cooldown(s, 10, 4) for s in range(1, 11)] == [1.0] * 7 + [0.75, 0.5, 0.25]
-    assert cooldown(1, 10, 10) == 1.0 and cooldown(10, 10, 10) == pytest.approx(0.1)
-    with pytest.raises(ValueError):
-        cooldown(0, 10, 4)
-
-
-def test_the_train_stage_cools_the_lr_down_as_train_cooldown_steps_says(tmp_path):
-    write_corpus(tmp_path)
-    params = write_params(tmp_path / "params.yaml", max_steps=6, log_every=1, eval_every=0, checkpoint_every=0,
-                          cooldown_steps=3)
-    run_stage(tmp_path, params)
-    lrs = {int(r["step"]): float(r["lr"]) for r in plot_rows(tmp_path)}
-    paper = {s: TRAIN["lr_factor"] * lrate(s, MODEL["d_model"], TRAIN["warmup_steps"]) for s in range(1, 7)}
-    assert [lrs[s] for s in (1, 2, 3)] == pytest.approx([paper[s] for s in (1, 2, 3)], rel=1e-5)
-    assert [lrs[s] for s in (4, 5, 6)] == pytest.approx([paper[4], paper[5] * 2 / 3, paper[6] / 3], rel=1e-5)
-
-
-def test_a_cool_down_longer_than_the_run_is_refused_naming_the_key(tmp_path):
-    write_corpus(tmp_path)
-    params = write_params(tmp_path / "params.yaml", max_steps=6, cooldown_steps=7)
-    result = subprocess.run([sys.executable, "-m", "stages.train", *stage_args(tmp_path, params)], cwd=ROOT,
-                            env=stage_env(), capture_output=True, text=True, timeout=120)
-    assert result.returncode != 0
-    assert "train.cooldown_steps = 7: expected at most train.max_steps (6)" in result.stderr
 
 
 def test_label_smoothed_loss_matches_a_hand_computation():

@@ -165,8 +165,6 @@ class TrainConfig:
     # padded tokens per micro-batch (a process's share of a step split by rows: pipeline/training/plan.py);
     # 0 = from the device: the whole share on a CPU, what fits the memory on a GPU
     micro_batch_tokens: int = field(default=0, metadata={"range": "[0, inf)"})
-    # the last steps' lr falls linearly toward 0 at max_steps (model/schedule.py cooldown); 0 = the paper's schedule
-    cooldown_steps: int = field(default=0, metadata={"range": "[0, inf)"})
 
 
 @dataclass(frozen=True)
@@ -262,9 +260,6 @@ def check_relations(obj: Any, key: str) -> None:
     """The rules between fields of one section."""
     if isinstance(obj, DataConfig) and obj.src_lang == obj.tgt_lang:
         raise ParamsError(f"{key}.tgt_lang = {obj.tgt_lang!r}: expected a language other than {key}.src_lang")
-    if isinstance(obj, TrainConfig) and obj.cooldown_steps > obj.max_steps:
-        raise ParamsError(f"{key}.cooldown_steps = {obj.cooldown_steps}: expected at most {key}.max_steps "
-                          f"({obj.max_steps})")
 
 
 def has_default(f: dataclasses.Field) -> bool:

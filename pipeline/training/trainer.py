@@ -47,7 +47,7 @@ from pipeline.progress import progress_bar
 from model import flops as flops_lib
 from model.config import ModelConfig
 from model.loss import SmoothedLoss
-from model.schedule import cooldown, lrate
+from model.schedule import lrate
 from model.transformer import Transformer
 from pipeline.weights import checkpoint as ckpt
 from pipeline.training import attention, compiled, distributed, graphs, peak, plan, records
@@ -158,8 +158,7 @@ class Trainer(RunCheckpoints):
         upcoming = steps.next_step(order, p.cursor, p.epoch, self.batches, self.cfg.seed)
         micro = self.prefetch.get(mine, self.share(upcoming))
         S, T = self.data.lengths(step_ids)
-        lr = (self.cfg.lr_factor * lrate(p.step + 1, self.model_cfg.d_model, self.cfg.warmup_steps)
-              * cooldown(p.step + 1, self.cfg.max_steps, self.cfg.cooldown_steps))
+        lr = self.cfg.lr_factor * lrate(p.step + 1, self.model_cfg.d_model, self.cfg.warmup_steps)
         faults.inject("step", p.step + 1)  # tests only: TRANSFORMER_FAULT=step@N kills the process here
         if self.cfg.cuda_graphs and self.compiled:
             graphs.step_begins()
