@@ -299,6 +299,23 @@ def test_two_runs_of_the_same_params_give_identical_weights(tmp_path):
     assert all(torch.equal(finals[0][k], finals[1][k]) for k in finals[0])
 
 
+def test_libgomps_wait_settings_leave_the_weights_unchanged(tmp_path):
+    """dvc.yaml runs training with GOMP_SPINCOUNT set (bench/busy_host.py): how idle threads wait, never the result."""
+    finals = []
+    for run, extra in (("default", {}), ("spin", {"GOMP_SPINCOUNT": "10000"}), ("passive", {"OMP_WAIT_POLICY": "PASSIVE"})):
+        write_corpus(tmp_path / run, n_train=64, max_tokens=96)
+        params = write_params(tmp_path / run / "params.yaml", max_tokens=96, tokens_per_step=96, max_steps=4,
+                              checkpoint_every=0, model={"d_model": 64, "d_ff": 256, "d_k": 32, "d_v": 32, "dropout": 0.1})
+        env = {k: v for k, v in stage_env(OMP_NUM_THREADS="2", **extra).items()
+               if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY") or k in extra}
+        result = subprocess.run([sys.executable, "-m", "stages.train", *stage_args(tmp_path / run, params)], cwd=ROOT,
+                                env=env, capture_output=True, text=True, timeout=180)
+        assert result.returncode == 0, result.stderr[-2000:]
+        finals.append(load_checkpoint(complete_checkpoints(tmp_path / run / "checkpoints")[-1])["model"])
+    for other in finals[1:]:
+        assert all(torch.equal(finals[0][k], other[k]) for k in finals[0])
+
+
 def test_the_wall_clock_safety_stop_is_recorded(tmp_path):
     write_corpus(tmp_path)
     # a safety stop far below one step: training stops after its first step, evaluates, saves, and says why
