@@ -35,6 +35,8 @@ import time
 
 import numpy as np
 
+from pipeline.training import distributed
+
 MODULE = "bench.busy_host"
 
 
@@ -49,7 +51,6 @@ def child(steps: int) -> None:
     from pipeline.core import config
     from pipeline.core.config import TrainConfig
     from pipeline.corpus.batching import make_batches
-    from pipeline.training import distributed
     from pipeline.training.loader import collate
     from pipeline.training.optimizer import build_optimizer, train_step
 
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40, help="timed steps per measurement")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--threads", type=int, default=distributed.available_cores())
     parser.add_argument("--spincount", type=int, default=10000)
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
