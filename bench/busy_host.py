@@ -26,14 +26,12 @@ setting, then each setting's median as a ratio of the default's, quiet and busy.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import statistics
 import subprocess
 import sys
 import time
 
-import numpy as np
 
 from pipeline.training import distributed
 
@@ -44,31 +42,14 @@ def child(steps: int) -> None:
     """Time `steps` training steps of the default model; print target tokens per second."""
     import torch
 
-    from bench.train_throughput import MAX_TOKENS, VOCAB, synthetic_corpus
-    from model.config import ModelConfig
-    from model.loss import SmoothedLoss
+    from bench.train_throughput import MAX_TOKENS, VOCAB, default_configs, our_step, synthetic_batches
     from model.transformer import Transformer
-    from pipeline.core import config
-    from pipeline.core.config import TrainConfig
-    from pipeline.corpus.batching import make_batches
-    from pipeline.training.loader import collate
-    from pipeline.training.optimizer import build_optimizer, train_step
 
     torch.set_num_threads(distributed.available_cores())
-    params = config.compose([])
-    cfg, train_cfg = config.parse(params, "model", ModelConfig), config.parse(params, "train", TrainConfig)
-    src, tgt = synthetic_corpus(29000)
-    batches = make_batches(src.lengths + 1, tgt.lengths + 1, MAX_TOKENS // 2, seed=1)  # the default's 1250
-    order = np.random.default_rng(0).permutation(len(batches))[: steps + 3]
-    data = [collate(src, tgt, batches[b], torch.device("cpu")) for b in order]
+    cfg, train_cfg = default_configs()
+    data = synthetic_batches(MAX_TOKENS // 2, steps + 3)[-1]  # the default's 1250-token batches
     torch.manual_seed(0)
-    model = Transformer(cfg, VOCAB)
-    loss_model = SmoothedLoss(model, train_cfg.label_smoothing, chunked=True)
-    optimizer = build_optimizer(model, train_cfg)
-    ctx, scaler = distributed.Dist(0, 1, 0, torch.device("cpu")), torch.amp.GradScaler("cpu", enabled=False)
-
-    def step(b) -> None:
-        train_step(loss_model, optimizer, [(b, True)], b.tokens, 1e-4, ctx, contextlib.nullcontext(), scaler)
+    step = our_step(Transformer(cfg, VOCAB), train_cfg)
 
     for b in data[:3]:
         step(b)

@@ -35,6 +35,7 @@ import contextlib
 import math
 import statistics
 import time
+from typing import Callable
 
 import numpy as np
 import torch
@@ -74,6 +75,29 @@ def synthetic_corpus(pairs: int, seed: int = 0, vocab: int = VOCAB, mean: float 
         offsets = np.concatenate([[0], np.cumsum(lengths)])
         out.append(Ragged(rng.integers(4, vocab, size=int(offsets[-1])).astype(np.uint16), offsets))
     return out[0], out[1]
+
+
+def default_configs() -> tuple[ModelConfig, TrainConfig]:
+    """The default preset's model and train sections (conf/ composed with no overrides)."""
+    params = config.compose([])
+    return config.parse(params, "model", ModelConfig), config.parse(params, "train", TrainConfig)
+
+
+def synthetic_batches(max_tokens: int, count: int) -> tuple[Ragged, Ragged, list, np.ndarray, list[Batch]]:
+    """`count` batches of at most max_tokens drawn (seeded) from the synthetic Multi30k-like corpus:
+    (src, tgt, all batches' rows, the drawn batch ids, the drawn batches collated on the CPU)."""
+    src, tgt = synthetic_corpus(29000)
+    batches = make_batches(src.lengths + 1, tgt.lengths + 1, max_tokens, seed=1)
+    order = np.random.default_rng(0).permutation(len(batches))[:count]
+    return src, tgt, batches, order, [collate(src, tgt, batches[b], torch.device("cpu")) for b in order]
+
+
+def our_step(model: Transformer, train_cfg: TrainConfig, lr: float = 1e-4) -> Callable[[Batch], None]:
+    """One training step of `model` as the train stage runs it on a CPU (chunked loss, fused Adam, fp32)."""
+    loss_model = SmoothedLoss(model, train_cfg.label_smoothing, chunked=True)
+    optimizer = build_optimizer(model, train_cfg)
+    ctx, scaler = distributed.Dist(0, 1, 0, torch.device("cpu")), torch.amp.GradScaler("cpu", enabled=False)
+    return lambda b: train_step(loss_model, optimizer, [(b, True)], b.tokens, lr, ctx, contextlib.nullcontext(), scaler)
 
 
 class TorchTransformer(nn.Module):
@@ -120,14 +144,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=distributed.available_cores())
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    params = config.compose([])
-    cfg, train_cfg = config.parse(params, "model", ModelConfig), config.parse(params, "train", TrainConfig)
+    cfg, train_cfg = default_configs()
     print(f"model {cfg}, vocab {VOCAB}, batch.max_tokens {MAX_TOKENS}, {torch.get_num_threads()} threads")
 
-    src, tgt = synthetic_corpus(29000)
-    batches = make_batches(src.lengths + 1, tgt.lengths + 1, MAX_TOKENS, seed=1)
-    order = np.random.default_rng(0).permutation(len(batches))[: args.steps + 1]
-    data = [collate(src, tgt, batches[b], torch.device("cpu")) for b in order]
+    src, tgt, batches, order, data = synthetic_batches(MAX_TOKENS, args.steps + 1)
     warmup, timed = data[0], data[1:]
     lens = [(np.diff(src.offsets)[batches[b]] + 1, np.diff(tgt.offsets)[batches[b]] + 1) for b in order[1:]]
     flops = sum(flops_lib.training_flops(cfg, VOCAB, S, T) for S, T in lens)
@@ -138,18 +158,12 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.manual_seed(0)
     ours = Transformer(cfg, VOCAB)
-    loss_model = SmoothedLoss(ours, train_cfg.label_smoothing, chunked=True)
-    ours_opt = build_optimizer(ours, train_cfg)
+    run_ours = our_step(ours, train_cfg)
     base = TorchTransformer(cfg)
     base_opt = build_optimizer(base, train_cfg)
     n_ours, n_base = (sum(p.numel() for p in m.parameters()) for m in (ours, base))
     print(f"parameters: ours {n_ours / 1e6:.2f}M, nn.Transformer {n_base / 1e6:.2f}M")
-    ctx = distributed.Dist(0, 1, 0, torch.device("cpu"))
-    lr = 1e-4
-    scaler = torch.amp.GradScaler("cpu", enabled=False)
-    run_ours = lambda b: train_step(loss_model, ours_opt, [(b, True)], b.tokens, lr, ctx, contextlib.nullcontext(),
-                                    scaler)
-    run_base = lambda b: baseline_step(base, base_opt, b, lr, train_cfg.label_smoothing)
+    run_base = lambda b: baseline_step(base, base_opt, b, 1e-4, train_cfg.label_smoothing)
     for step in (run_ours, run_base):
         step(warmup)
 
