@@ -9,7 +9,7 @@ export DVC_NO_ANALYTICS := 1
 export MLFLOW_DISABLE_TELEMETRY := true
 export DO_NOT_TRACK := 1
 
-.PHONY: install run test bench clean ui inspect multinode-smoke rehearse gpu-check
+.PHONY: install run test bench clean ui inspect multinode-smoke rehearse gpu-check gpu-profile
 
 install: $(VENV)/.installed
 
@@ -46,6 +46,9 @@ rehearse: install
 # base and big training steps and beam-4 decoding on the GPU (exits 0 saying so without CUDA)
 gpu-check: install
 	$(BIN)/python -m bench.gpu_check
+
+gpu-profile: install
+	$(BIN)/python -m bench.gpu_profile
 
 clean:
 	rm -rf $(VENV)
