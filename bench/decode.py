@@ -112,10 +112,16 @@ def real_data(model_dir: Path | None, tokenized: Path | None) -> tuple[Transform
 
 
 def timed(model: nn.Module, sources: Sequence[np.ndarray], cfg: TranslateConfig,
-          use_cache: bool) -> tuple[list[list[int]], float]:
-    """translate_ids over `sources`: (outputs, seconds)."""
+          use_cache: bool = True) -> tuple[list[list[int]], float]:
+    """translate_ids over `sources`: (outputs, seconds), a GPU drained before and after (the benches' one timing
+    of decoding: this one, bench/decode_precision.py, bench/gpu_decode.py)."""
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     start = time.perf_counter()
     outputs = translate_ids(model, sources, cfg, progress=False, use_cache=use_cache)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     return outputs, time.perf_counter() - start
 
 

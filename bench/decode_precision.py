@@ -14,29 +14,26 @@ where it loses at most 0.1 BLEU).
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from bench.decode import timed
 from pipeline.core.config import TranslateConfig, compose, parse
 from pipeline.corpus.formats import load_spm, load_split, read_meta
 from pipeline.scoring import multi30k_bleu, read_lines, score
 from pipeline.weights.checkpoint import load_model
-from stages.translate import decoding_precision, detokenize, translate_ids
+from stages.translate import decoding_precision, detokenize
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def decode(model, sources: list[np.ndarray], cfg: TranslateConfig, sp, refs: list[str], lang: str) -> dict:
     """translate_ids over `sources`: sentences/s and the scores of its detokenized output."""
-    translate_ids(model, sources[:8], cfg, progress=False)  # warm-up: kernels, allocator
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    hyps = detokenize(sp, translate_ids(model, sources, cfg, progress=False))
-    seconds = time.perf_counter() - start
+    timed(model, sources[:8], cfg)  # warm-up: kernels, allocator
+    outputs, seconds = timed(model, sources, cfg)
+    hyps = detokenize(sp, outputs)
     s = score(hyps, refs, lang, "13a")
     return {"sentences_per_s": len(sources) / seconds, "bleu": s.bleu, "lc_norm_tok": multi30k_bleu(hyps, refs, lang),
             "hyps": hyps}

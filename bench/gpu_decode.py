@@ -3,17 +3,15 @@
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import torch
 from torch import nn
 
-from bench.decode import EosNearSourceLength
-from bench.gpu_setup import Setup, sync
+from bench.decode import EosNearSourceLength, timed
+from bench.gpu_setup import Setup
 from model import flops as flops_lib
 from model.transformer import Transformer
-from stages.translate import decoding_precision, translate_ids
+from stages.translate import decoding_precision
 
 
 def decoding_model(s: Setup, stage_precision: bool) -> tuple[nn.Module, torch.dtype]:
@@ -28,9 +26,6 @@ def decoding_model(s: Setup, stage_precision: bool) -> tuple[nn.Module, torch.dt
 def time_decoding(s: Setup, sources: list[np.ndarray], stage_precision: bool) -> tuple[float, str]:
     """(sentences per second, precision) of translate_ids (beam 4, the preset's length penalty and limits)."""
     model, dtype = decoding_model(s, stage_precision)
-    translate_ids(model, sources[: max(1, len(sources) // 20)], s.translate_cfg, progress=False)  # warm-up
-    sync(s.device)
-    start = time.perf_counter()
-    translate_ids(model, sources, s.translate_cfg, progress=False)
-    sync(s.device)
-    return len(sources) / (time.perf_counter() - start), flops_lib.DTYPE_NAMES[dtype]
+    timed(model, sources[: max(1, len(sources) // 20)], s.translate_cfg)  # warm-up
+    _, seconds = timed(model, sources, s.translate_cfg)
+    return len(sources) / seconds, flops_lib.DTYPE_NAMES[dtype]
