@@ -19,6 +19,7 @@ from pipeline.core.config import TrainConfig
 from pipeline.core.tracking import StageRun
 from pipeline.training import distributed
 from pipeline.training.loader import TrainingData
+from pipeline.training.optimizer import zero_grads
 from pipeline.training.trainer import Trainer
 from tests.train_fixtures import MODEL, TRAIN, write_corpus
 
@@ -133,4 +134,22 @@ def test_gradients_stay_views_of_ddps_buckets_from_step_to_step(tmp_path):
             assert set(seen[-1]) <= set(buckets) and len(buckets) < len(params)  # each gradient inside a bucket
             assert all(float(p.grad.abs().sum()) == 0.0 for p in params)  # zeroed for the next step
         assert seen[1] == seen[2]  # the same memory, step after step
+        trainer.close()
+
+
+def test_ddps_gradients_are_zeroed_by_one_multi_tensor_call_not_one_each(tmp_path):
+    """optimizer.zero_grads under DDP: one _foreach_zero_ for all the gradients (one device, one dtype), no
+    per-gradient zero_ (on a GPU each is a memset launched while the GPU idles)."""
+    data = TrainingData.load(*write_corpus(tmp_path, n_train=8, n_valid=4))
+    with gpu_check.process_group(CPU) as ctx:
+        trainer = Trainer(data, ModelConfig(**MODEL), TrainConfig(**TRAIN), 24, ctx, StageRun(), phash="")
+        trainer.step(trainer.epoch_order())
+        params = [p for p in trainer.model.parameters() if p.requires_grad]
+        for p in params:
+            p.grad.fill_(1.0)
+        with torch.profiler.profile() as prof:
+            zero_grads(trainer.optimizer, trainer.loss_model)
+        top = [e.name for e in prof.events() if e.cpu_parent is None]  # on a CPU, _foreach_zero_ loops inside
+        assert top.count("aten::_foreach_zero_") == 1 and "aten::zero_" not in top, top
+        assert all(float(p.grad.abs().sum()) == 0.0 for p in params)
         trainer.close()
