@@ -9,9 +9,9 @@ a process group of one, eager, on a fresh WMT-shaped corpus), after WARMUP steps
            something (the union of its kernels, copies and memsets), and the GPU's own milliseconds a
            step; the profiler slows the host, so the unprofiled step time above is the rate.
   gaps     the GPU's idle gaps: how many last over 50 us and their sum; the largest, each with the
-           host ops that spanned most of it (what the host was doing while the GPU waited).
+           host ops that spanned at least half of it (what the host did while the GPU waited).
   kinds    GPU milliseconds and operations a step per kind: gemm, attention, elementwise, reduction,
-           optimizer, memset, copy.
+           optimizer, memset, copy (reduction: sums and layer norms).
   runtime  CUDA runtime calls a step (kernel launches, memsets...) and their host milliseconds.
 --trace DIR keeps each preset's Chrome trace (DIR/<preset>.json, for chrome://tracing or Perfetto).
 Without CUDA: one line, exit 0; --tiny runs it on a CPU with a tiny model (tests), where only the
