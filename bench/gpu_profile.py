@@ -4,7 +4,8 @@
 
 Per preset (gpu-check's setting, bench/gpu_setup.py: the preset's model, batch config and Trainer in
 a process group of one, eager, on a fresh WMT-shaped corpus), after WARMUP steps:
-  timed    TIMED steps unprofiled: milliseconds a step, target tokens/s.
+  timed    TIMED steps unprofiled, timed as gpu-check times them (bench.gpu_timing.timed):
+           milliseconds a step, target tokens/s.
   busy     --steps steps under torch.profiler: the share of the profiled span in which the GPU ran
            something (the union of its kernels, copies and memsets), and the GPU's own milliseconds a
            step; the profiler slows the host, so the unprofiled step time above is the rate.
@@ -23,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -31,7 +31,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench.gpu_setup import PRESETS, preset, process_group, sync, training_data
-from bench.gpu_timing import trainer
+from bench.gpu_timing import timed, trainer
 from pipeline.training import distributed
 
 WARMUP, TIMED = 6, 15
@@ -126,15 +126,8 @@ def read_preset(name: str, ctx: distributed.Dist, steps: int, tiny: bool, work: 
     data = training_data(s, 7, WARMUP + TIMED + steps, work / name)
     t = trainer(s, data, ctx, "eager", None)
     try:
-        for _ in range(WARMUP):
-            t.step(t.epoch_order())
-        sync(ctx.device)
-        tokens, start = t.progress.train_tokens, time.perf_counter()
-        for _ in range(TIMED):
-            t.step(t.epoch_order())
-        sync(ctx.device)
-        seconds = time.perf_counter() - start
-        tokens = t.progress.train_tokens - tokens
+        r = timed(lambda: t.step(t.epoch_order()), lambda: (t.progress.train_tokens, 0.0), TIMED, ctx.device,
+                  check_syncs=False, warmup=WARMUP)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.cuda else [])
         with profile(activities=activities) as prof:
             for _ in range(steps):
@@ -146,8 +139,8 @@ def read_preset(name: str, ctx: distributed.Dist, steps: int, tiny: bool, work: 
     path.parent.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(path))
     events = json.loads(path.read_text())["traceEvents"]
-    return {"ms_per_step": seconds / TIMED * 1e3, "tokens_per_s": tokens / seconds, "steps": steps,
-            "gpu": read_trace(events, steps)}
+    ms = r["tokens_per_step"] / r["tokens_per_s"] * 1e3
+    return {"ms_per_step": ms, "tokens_per_s": r["tokens_per_s"], "steps": steps, "gpu": read_trace(events, steps)}
 
 
 def main(argv: list[str] | None = None) -> dict | None:

@@ -26,8 +26,9 @@ MODES = ("eager", "compiled", "graphs")
 
 
 def timed(step: Callable[[], object], count: Callable[[], tuple[float, float]], steps: int,
-          device: torch.device, check_syncs: bool = True, compiling: Callable[[], float] = lambda: 0.0) -> dict:
-    """WARMUP_STEPS calls of `step` (compiling falls here; the last one profiled on CUDA: the attention kernels it
+          device: torch.device, check_syncs: bool = True, compiling: Callable[[], float] = lambda: 0.0,
+          warmup: int = WARMUP_STEPS) -> dict:
+    """`warmup` calls of `step` (compiling falls here; the last one profiled on CUDA: the attention kernels it
     ran), then `steps` timed ones (on CUDA under set_sync_debug_mode where `check_syncs`: each host sync is
     recorded); `count`: (target tokens, FLOPs) trained so far. Seconds and dynamo's work of each part apart;
     tokens/s, FLOP/s and peak memory of the timed part, over its seconds less those `compiling` (seconds spent
@@ -35,8 +36,8 @@ def timed(step: Callable[[], object], count: Callable[[], tuple[float, float]], 
     rate (its seconds are given apart)."""
     start = time.perf_counter()
     with Dynamo() as warm:
-        for i in range(WARMUP_STEPS):
-            with profiled(device) if i == WARMUP_STEPS - 1 else contextlib.nullcontext() as kernels:
+        for i in range(warmup):
+            with profiled(device) if i == warmup - 1 else contextlib.nullcontext() as kernels:
                 step()
     sync(device)
     warmup_seconds = time.perf_counter() - start
