@@ -63,6 +63,30 @@ def chunk_rows(device: torch.device) -> int:
     return ProjectedSmoothedLoss.CHUNK if device.type == "cpu" else ProjectedSmoothedLoss.GPU_CHUNK
 
 
+def row_grain(device: torch.device) -> int:
+    """Rows the last, shorter chunk is rounded up to on `device` (windows): ROW_GRAIN on GPUs, 0 (as it is) on CPUs."""
+    return 0 if device.type == "cpu" else ProjectedSmoothedLoss.ROW_GRAIN
+
+
+def windows(n: int, chunk: int, grain: int = 0) -> list[tuple[int, int, int]]:
+    """(start, stop, skip) of each chunk of n rows: full chunks of `chunk` rows, then the rest, r rows.
+
+    grain 0: the rest as it is, (n - r, n, 0). grain > 0: the rest is the last
+    min(r rounded up to a multiple of grain, n) rows, its first `skip` rows
+    already counted by the chunk before (the caller leaves them out), so that
+    its matrix products take one of chunk / grain shapes, not one of `chunk`:
+    a GPU's GEMM library plans each new shape on the host (2.8 to 16 ms a
+    step in the H200's profile of base and big, the GPU idle meanwhile), and
+    n, the step's real target tokens, is another number every step.
+    """
+    out = [(start, start + chunk, 0) for start in range(0, n - chunk + 1, chunk)]
+    rest = n - len(out) * chunk
+    if rest:
+        rows = min(-(-rest // grain) * grain, n) if grain else rest
+        out.append((n - rows, n, rows - rest))
+    return out
+
+
 class ProjectedSmoothedLoss(torch.autograd.Function):
     """sum over rows of label-smoothed cross-entropy(hidden @ weight^T, targets), gradients taken chunk by chunk.
 
@@ -82,17 +106,19 @@ class ProjectedSmoothedLoss(torch.autograd.Function):
     power of two per chunk before the products (its eps / V entries would be
     fp16 subnormals, and no loss scale reaches a gradient taken in forward) and
     unscaled in fp32, exactly. `grads` False (no gradient wanted) skips the
-    gradients.
+    gradients. `grain` > 0 rounds the last chunk's rows up to a multiple of it
+    (windows; GPUs), 0 takes them as they are (CPUs, the same bits as before).
     """
 
     CHUNK = 512  # rows per chunk: measured best on a 2-core CPU for V = 8000 (256: +3%, 1024: +1%)
     GPU_CHUNK = 4096  # rows per chunk on GPUs: chunk_rows
+    ROW_GRAIN = 512  # on GPUs the last chunk's rows are a multiple of this (windows): 8 shapes, not 4096
     COMPILE_BACKEND = "inductor"  # torch.compile's backend for the fused chunk (tests: aot_eager, no C++ build)
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, label_smoothing: float,
                 dtype: torch.dtype | None = None, chunk: int | None = None, grads: bool = True,
-                fused: bool = False) -> Tensor:
+                fused: bool = False, grain: int = 0) -> Tensor:
         eps, chunk = label_smoothing, chunk or ProjectedSmoothedLoss.CHUNK
         w = weight if dtype is None else weight.to(dtype)  # [V, D], cast once (as autocast casts it per product)
         loss = torch.zeros((), dtype=torch.float64, device=hidden.device)
@@ -100,28 +126,28 @@ class ProjectedSmoothedLoss(torch.autograd.Function):
         # The weight gradient summed over chunks in fp32 at least (for fp32 weights: zeros_like(weight), as before).
         accumulate = torch.promote_types(weight.dtype, torch.float32)
         grad_weight = torch.zeros_like(weight, dtype=accumulate) if grads else None
-        for start in range(0, hidden.shape[0], chunk):
-            h = hidden[start : start + chunk]  # [n, D]
-            y = targets[start : start + chunk]
+        for start, stop, skip in windows(hidden.shape[0], chunk, grain):
+            h = hidden[start:stop]  # [n, D]
+            y = targets[start:stop]
             if dtype is not None:
                 h = h.to(dtype)
             z = h @ w.t()  # [n, V]: the product in bf16 / fp16 (all that follows it in fp32), or fp32
-            if fused and grads and len(y) == chunk:  # a full chunk: one shape, one graph
+            if fused and grads and len(y) == chunk and not skip:  # a full chunk: one shape, one graph
                 part, g, scale = _fused(z, y, eps, dtype, h, w)
             else:
-                part, g, scale = _chunk(z.float(), y, eps, dtype, h, w, grads)
+                part, g, scale = _chunk(z.float(), y, eps, dtype, h, w, grads, skip)
             loss += part.double()
             if not grads:
                 continue
-            rows = slice(start, start + len(y))
+            rows = slice(start + skip, stop)  # g's first `skip` rows are zero: they add nothing to grad_weight
             if dtype is None:
-                grad_hidden[rows] = g @ weight
+                grad_hidden[rows] = (g @ weight)[skip:]
                 grad_weight.addmm_(g.t(), h)
             elif scale is not None:  # fp16: g was scaled by a power of two, unscaled here in fp32, exactly
-                grad_hidden[rows] = (g @ w).float().div_(scale)
+                grad_hidden[rows] = (g @ w)[skip:].float().div_(scale)
                 grad_weight.addcdiv_(g.t() @ h, scale)  # fp16 product, unscaled and summed in fp32
             else:
-                grad_hidden[rows] = g @ w
+                grad_hidden[rows] = (g @ w)[skip:]
                 grad_weight.add_(g.t() @ h)  # bf16 product, summed over chunks in fp32
         ctx.weight_dtype = weight.dtype
         if grads:
@@ -129,9 +155,9 @@ class ProjectedSmoothedLoss(torch.autograd.Function):
         return loss.to(torch.promote_types(hidden.dtype, torch.float32))  # fp32 for bf16 / fp16 hidden states too
 
     @staticmethod
-    def backward(ctx, grad_loss: Tensor) -> tuple[Tensor, Tensor, None, None, None, None, None, None]:
+    def backward(ctx, grad_loss: Tensor) -> tuple[Tensor, Tensor, None, None, None, None, None, None, None]:
         grad_hidden, grad_weight = ctx.saved_tensors
-        nones = (None,) * 6  # targets, label_smoothing, dtype, chunk, grads, fused
+        nones = (None,) * 7  # targets, label_smoothing, dtype, chunk, grads, fused, grain
         return grad_hidden * grad_loss, (grad_weight * grad_loss).to(ctx.weight_dtype), *nones
 
 
@@ -145,8 +171,11 @@ def _softmax_terms(z: Tensor, y: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor
 
 
 def _chunk(z: Tensor, y: Tensor, eps: float, dtype: torch.dtype | None, h: Tensor, w: Tensor,
-           grads: bool) -> tuple[Tensor, Tensor | None, Tensor | None]:
+           grads: bool, skip: int = 0) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """One chunk's loss sum, logit gradient (None without `grads`) and fp16 scale, eagerly, in place of z [n, V] fp32.
+
+    The first `skip` rows (counted by the chunk before, see windows) add
+    nothing: left out of the sum, their gradient rows zero.
 
     -sum_k q_k log softmax(z)_k = lse - (1 - eps) z_y - eps mean_k z_k; the
     gradient softmax(z) - q. Every constant is a Python number given to the op
@@ -154,12 +183,14 @@ def _chunk(z: Tensor, y: Tensor, eps: float, dtype: torch.dtype | None, h: Tenso
     on a GPU.
     """
     e, total, lse, z_y, z_mean = _softmax_terms(z, y)
-    loss = (lse - (1 - eps) * z_y - eps * z_mean).sum()
+    loss = (lse - (1 - eps) * z_y - eps * z_mean)[skip:].sum()
     if not grads:
         return loss, None, None
     minus = torch.full((), -eps / z.shape[1], dtype=e.dtype, device=e.device)  # a fill on the device, no copy
     g = torch.addcmul(minus, e, total.reciprocal(), out=e)  # softmax(z) - eps / V
     g[torch.arange(len(y), device=g.device), y] -= 1 - eps
+    if skip:
+        g[:skip] = 0
     return (loss, *_in_product_dtype(g, dtype, h, w))
 
 
@@ -306,8 +337,9 @@ def projected_smoothed_loss(hidden: Tensor, weight: Tensor, targets: Tensor, lab
     before, to the bit. The loss is fp32 (or hidden's dtype, if wider).
     `path` ("torch" / "ours") overrides loss_path's choice (tests). On GPUs
     ours computes its full chunks with the compiled fused_chunk (the last,
-    shorter one eagerly: no graph per row count); on CPUs eagerly, chunk by
-    chunk as before (compiled, a CPU gives other bits and no speed: bench/loss.py).
+    shorter one eagerly, its rows rounded up to ROW_GRAIN: windows); on CPUs
+    eagerly, chunk by chunk as before (compiled, a CPU gives other bits and no
+    speed: bench/loss.py).
     """
     device, dtype = hidden.device, low_precision(hidden.device)
     with torch.autocast(device.type, enabled=False):  # the precision is chosen here, explicitly
@@ -315,7 +347,8 @@ def projected_smoothed_loss(hidden: Tensor, weight: Tensor, targets: Tensor, lab
             return _torch_loss(hidden, weight, targets, label_smoothing, dtype, chunk_rows(device)).float()
         grads = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
         return ProjectedSmoothedLoss.apply(hidden if dtype is not None else hidden.float(), weight, targets,
-                                           label_smoothing, dtype, chunk_rows(device), grads, device.type != "cpu")
+                                           label_smoothing, dtype, chunk_rows(device), grads, device.type != "cpu",
+                                           row_grain(device))
 
 
 class SmoothedLoss(nn.Module):
@@ -360,10 +393,10 @@ def projected_smoothed_and_nll(hidden: Tensor, weight: Tensor, targets: Tensor,
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # smoothed, nll
     with torch.no_grad(), torch.autocast(device.type, enabled=False):
         w = weight.to(compute)  # [V, D]
-        for start in range(0, hidden.shape[0], chunk_rows(device)):
-            h = hidden[start : start + chunk_rows(device)].to(compute)  # [n, D]
-            y = targets[start : start + chunk_rows(device)]
+        for start, stop, skip in windows(hidden.shape[0], chunk_rows(device), row_grain(device)):
+            h = hidden[start:stop].to(compute)  # [n, D]
+            y = targets[start:stop]
             _, _, lse, z_y, z_mean = _softmax_terms((h @ w.t()).float(), y)  # [n, V] fp32, in place
-            sums[0] += (lse - (1 - eps) * z_y - eps * z_mean).sum().double()
-            sums[1] += (lse - z_y).sum().double()
+            sums[0] += (lse - (1 - eps) * z_y - eps * z_mean)[skip:].sum().double()
+            sums[1] += (lse - z_y)[skip:].sum().double()
     return sums[0], sums[1]

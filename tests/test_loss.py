@@ -319,3 +319,48 @@ def test_validation_computes_the_loss_chunked_and_equals_the_whole_logits(tmp_pa
     assert largest > 4 and ops.rows_of(torch.float32, VOCAB) == 4  # a chunk's logits, not a batch's [N, V]
     if dtype:
         assert ops.rows_of(dtype, VOCAB) == 4
+
+
+# --- (e) GPUs: the last chunk's rows rounded up to a grain, so its products take a few shapes ------------------------
+
+GRAIN = 8
+
+
+@pytest.mark.parametrize("n", [0, 5, 16, 17, 32, 50, 63])
+def test_windows_count_every_row_once_in_a_few_shapes(n):
+    windows = loss_lib.windows(n, CHUNK, GRAIN)
+    counted = [row for start, stop, skip in windows for row in range(start + skip, stop)]
+    assert counted == list(range(n))  # each row once, in order
+    for start, stop, skip in windows:
+        assert 0 <= skip < stop - start
+        assert stop - start in (CHUNK, *range(GRAIN, CHUNK, GRAIN)) or stop - start == n  # n: smaller than a grain
+    assert loss_lib.windows(n, CHUNK) == [(s, min(s + CHUNK, n), 0) for s in range(0, n, CHUNK)]  # grain 0: as it is
+    assert loss_lib.row_grain(CPU) == 0 and loss_lib.row_grain(torch.device("cuda")) == loss_lib.ProjectedSmoothedLoss.ROW_GRAIN
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_a_grain_leaves_the_loss_and_its_gradients_as_they_were(dtype):
+    hidden, weight, targets = inputs()  # N = 50: chunks of 16 rows, then 2 rows, taken as the last 8 (6 skipped)
+    want = reference(hidden, weight, targets)
+    plain = loss_and_grads(lambda h, w: loss_lib.ProjectedSmoothedLoss.apply(h, w, targets, EPS, dtype, CHUNK),
+                           hidden, weight)
+    with Ops() as ops:
+        got = loss_and_grads(lambda h, w: loss_lib.ProjectedSmoothedLoss.apply(h, w, targets, EPS, dtype, CHUNK, True,
+                                                                                False, GRAIN), hidden, weight)
+    rows = {shape[0] for name, ins, _ in ops.ops if name == "mm" for _, shape in ins[:1]}
+    assert {CHUNK, GRAIN} <= rows <= {CHUNK, GRAIN, V}  # h @ W^T and g @ W: chunk or grain rows; g^T @ h: V rows
+    tol = TOLERANCES[dtype]
+    for g, p, w in zip(got, plain, want):
+        torch.testing.assert_close(g, p, rtol=tol["grad"] / 10, atol=1e-5 * float(w.abs().max()))  # the plain chunks'
+        torch.testing.assert_close(g, w, rtol=tol["grad"], atol=tol["grad"] * float(w.abs().max()))
+
+
+def test_validation_with_a_grain_sums_each_row_once(monkeypatch):
+    hidden, weight, targets = inputs()
+    want = loss_lib.projected_smoothed_and_nll(hidden, weight, targets, EPS)
+    monkeypatch.setattr(loss_lib, "row_grain", lambda device: GRAIN)
+    with Ops() as ops:
+        got = loss_lib.projected_smoothed_and_nll(hidden, weight, targets, EPS)
+    assert {ins[0][1][0] for name, ins, _ in ops.ops if name == "mm"} == {CHUNK, GRAIN}
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=0.0)
