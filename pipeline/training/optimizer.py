@@ -59,17 +59,7 @@ def zero_grads(optimizer: torch.optim.Optimizer, loss_model: nn.Module) -> None:
 
     DDP (pipeline/training/distributed.py) keeps each gradient as a view of its all-reduce bucket
     (gradient_as_bucket_view); gradients set to None would make the reducer copy every fresh gradient into its
-    bucket again each step, one gradient's copy and memory more. In place, they are zeroed by one multi-tensor
-    call per device and dtype: the fused Adam's zero_grad would zero them one by one, a memset each (193 on
-    base, 1.2 to 1.4 ms of a GPU idle each step: docs/benchmarks.md, "Where the eager GPU step waits").
+    bucket again each step, one gradient's copy and memory more. In place, the fused Adam's zero_grad zeroes them
+    with one multi-tensor call per device and dtype (torch's Optimizer.zero_grad; tests/test_ddp_compat.py).
     """
-    if not isinstance(loss_model, DistributedDataParallel):
-        optimizer.zero_grad(set_to_none=True)
-        return
-    grads: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if p.grad is not None:
-                grads.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
-    for same in grads.values():
-        torch._foreach_zero_(same)
+    optimizer.zero_grad(set_to_none=not isinstance(loss_model, DistributedDataParallel))
