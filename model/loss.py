@@ -75,9 +75,9 @@ def windows(n: int, chunk: int, grain: int = 0) -> list[tuple[int, int, int]]:
     min(r rounded up to a multiple of grain, n) rows, its first `skip` rows
     already counted by the chunk before (the caller leaves them out), so that
     its matrix products take one of chunk / grain shapes, not one of `chunk`:
-    a GPU's GEMM library plans each new shape on the host (2.8 to 16 ms a
-    step in the H200's profile of base and big, the GPU idle meanwhile), and
-    n, the step's real target tokens, is another number every step.
+    on a GPU a product of a shape new to the GEMM library held the host 2.8 to
+    27 ms in the H200's traces of base and big (docs/benchmarks.md), and n,
+    the step's real target tokens, is another number every step.
     """
     out = [(start, start + chunk, 0) for start in range(0, n - chunk + 1, chunk)]
     rest = n - len(out) * chunk
