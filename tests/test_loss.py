@@ -14,6 +14,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from model import loss as loss_lib
+from model import torch_loss
 from model.config import ModelConfig
 from model.transformer import Transformer
 from tests.train_fixtures import MODEL, VOCAB, write_corpus
@@ -26,9 +27,9 @@ HAS_TORCH_LOSS = hasattr(F, "linear_cross_entropy") and hasattr(torch.nn, "Linea
 @pytest.fixture(autouse=True)
 def _small_chunks_and_a_fresh_probe(monkeypatch):
     monkeypatch.setattr(loss_lib.ProjectedSmoothedLoss, "CHUNK", CHUNK)  # chunk_rows(CPU) reads it
-    loss_lib._torch_chunks_it.cache_clear()
+    torch_loss._torch_chunks_it.cache_clear()
     yield
-    loss_lib._torch_chunks_it.cache_clear()
+    torch_loss._torch_chunks_it.cache_clear()
 
 
 def inputs(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -89,7 +90,7 @@ def test_the_chunked_loss_and_its_gradients_equal_cross_entropy_in_fp32(eps):
                                  hidden, weight)
     with Ops() as ops:
         by_loss = loss_and_grads(lambda h, w: loss_lib.projected_smoothed_loss(h, w, targets, eps), hidden, weight)
-    assert loss_lib.loss_path(CPU, None, eps) == "ours"
+    assert torch_loss.loss_path(CPU, None, eps) == "ours"
     for got in (by_function, by_loss):
         assert got[0].dtype == torch.float32
         for g, w, what in zip(got, want, ("loss", "grad hidden", "grad weight")):
@@ -188,7 +189,7 @@ def test_the_gpu_choice_runs_with_and_without_torchs_loss(monkeypatch, has_it):
         pytest.skip("this torch has no F.linear_cross_entropy")
     if not has_it:
         monkeypatch.delattr(F, "linear_cross_entropy", raising=False)
-    serves = loss_lib.torch_loss_serves(CPU, None, 0.0)
+    serves = torch_loss.torch_loss_serves(CPU, None, 0.0)
     assert serves == has_it  # a torch that has it chunks eps = 0 in fp32
     hidden, weight, targets = inputs()
     want = reference(hidden, weight, targets, 0.0)
@@ -201,15 +202,15 @@ def test_the_gpu_choice_runs_with_and_without_torchs_loss(monkeypatch, has_it):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=what)
     cuda = torch.device("cuda", 0)
     if not has_it:
-        assert loss_lib.loss_path(cuda, torch.bfloat16, EPS) == "ours"  # probes nothing: no CUDA needed
+        assert torch_loss.loss_path(cuda, torch.bfloat16, EPS) == "ours"  # probes nothing: no CUDA needed
 
 
 def test_loss_path_takes_torchs_on_gpus_only_where_it_serves_and_never_on_cpus(monkeypatch):
     cuda = torch.device("cuda", 0)
     for serves in (True, False):
-        monkeypatch.setattr(loss_lib, "torch_loss_serves", lambda device, dtype, eps, serves=serves: serves)
-        assert loss_lib.loss_path(cuda, torch.bfloat16, EPS) == ("torch" if serves else "ours")
-        assert loss_lib.loss_path(CPU, None, EPS) == "ours"  # measured slower there (loss_path's docstring)
+        monkeypatch.setattr(torch_loss, "torch_loss_serves", lambda device, dtype, eps, serves=serves: serves)
+        assert torch_loss.loss_path(cuda, torch.bfloat16, EPS) == ("torch" if serves else "ours")
+        assert torch_loss.loss_path(CPU, None, EPS) == "ours"  # measured slower there (loss_path's docstring)
 
 
 @pytest.mark.parametrize("flaw", ["falls through to the whole logits", "returns a bf16 sum", "raises"])
@@ -224,7 +225,7 @@ def test_torchs_loss_serves_only_if_it_chunks_and_sums_in_fp32(monkeypatch, flaw
 
     monkeypatch.setattr(F, "linear_cross_entropy", fake, raising=False)
     monkeypatch.setattr(torch.nn, "LinearCrossEntropyOptions", lambda **kwargs: None, raising=False)
-    assert not loss_lib.torch_loss_serves(CPU, torch.bfloat16, EPS)
+    assert not torch_loss.torch_loss_serves(CPU, torch.bfloat16, EPS)
 
 
 # --- (d) the fused chunk (GPUs: compiled), and validation chunked ----------------------------------------------------
