@@ -250,7 +250,7 @@ def test_stages_that_start_together_on_a_new_store_all_get_their_runs(tmp_path):
     for k in range(4):
         params = tmp_path / f"params{k}.yaml"  # four pipelines: four parents
         params.write_text(yaml.safe_dump({"average": {"last_n": k + 1}}))
-        env = stage_env(MLFLOW_TRACKING_URI=uri, DVC_STAGE="average", DVC_ROOT=str(tmp_path), OMP_NUM_THREADS="1")
+        env = stage_env(MLFLOW_TRACKING_URI=uri, DVC_STAGE="average", DVC_ROOT=str(tmp_path))
         procs.append(subprocess.Popen([sys.executable, "-c", OPEN_ONE_RUN, str(params), str(start)], cwd=ROOT, env=env,
                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
     errors = [p.communicate(timeout=300)[1] for p in procs]
@@ -362,7 +362,7 @@ def test_a_killed_stage_closes_its_run_and_its_parent_as_killed(tmp_path, sig, k
     write_corpus(tmp_path)
     params = write_params(tmp_path / "params.yaml", max_steps=100_000 + sig, log_every=1)
     params_hash = hashlib.sha256(params.read_bytes()).hexdigest()
-    env = stage_env(MLFLOW_TRACKING_URI=uri, DVC_STAGE="train", DVC_ROOT=str(tmp_path), OMP_NUM_THREADS="1")
+    env = stage_env(MLFLOW_TRACKING_URI=uri, DVC_STAGE="train", DVC_ROOT=str(tmp_path))
     # SIGINT as a terminal delivers it: a shell starts background jobs with SIGINT ignored, and a child inherits that
     proc = subprocess.Popen([sys.executable, "-m", "stages.train", *stage_args(tmp_path, params)], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,

@@ -94,8 +94,9 @@ def stage_args(root: Path, params: Path) -> list[str]:
 
 
 def stage_env(**extra: str) -> dict[str, str]:
-    """Environment for a stage subprocess: the repo importable."""
-    return {**os.environ, "PYTHONPATH": str(ROOT), **extra}
+    """Environment for a stage subprocess: the repo importable, and one thread (as the in-process runs and the
+    one-core subprocesses they are compared with) whatever the shell exports, unless `extra` says otherwise."""
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **extra}
 
 
 def torchrun(root: Path, params: Path, nproc: int, timeout: float = 240, **env: str) -> subprocess.CompletedProcess:
