@@ -5,9 +5,9 @@ takes the decoder's hidden states and that matrix, and the [N, V] logits are
 never held whole, on CPUs and GPUs alike: projected_smoothed_loss, which
 model/torch_loss.py's loss_path routes to ProjectedSmoothedLoss (ours, chunk
 by chunk of rows, its matrix products in autocast's precision) or to torch's
-F.linear_cross_entropy where that computes this loss chunked. On GPUs ours computes each full chunk
-with one compiled function (fused_chunk: a few passes over the chunk's logits,
-not ten); on CPUs eagerly. Validation's loss and NLL are chunked the same way,
+F.linear_cross_entropy where that computes this loss chunked. On GPUs ours
+computes each full chunk with one compiled function (fused_chunk: a few passes
+over the chunk's logits, not ten); on CPUs eagerly. Validation's loss and NLL are chunked the same way,
 without gradients (projected_smoothed_and_nll). Nothing here reads a tensor's
 value or copies a Python number to the device: a GPU step never waits on the
 host (tests/test_step_syncs.py).

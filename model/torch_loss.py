@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 
 @functools.cache
-def _torch_chunks_it(device: torch.device, dtype: torch.dtype | None, label_smoothing: float) -> bool:
+def _chunks_it(device: torch.device, dtype: torch.dtype | None, label_smoothing: float) -> bool:
     """Whether F.linear_cross_entropy computes this loss chunked, returning it in fp32: tried once on a 2 x 2 input.
 
     Its documented contract: options it cannot honour fall through to the whole
@@ -44,18 +44,18 @@ def summed(hidden: Tensor, weight: Tensor, targets: Tensor, label_smoothing: flo
                                   label_smoothing=label_smoothing, options=options)
 
 
-def torch_loss_serves(device: torch.device, dtype: torch.dtype | None, label_smoothing: float) -> bool:
+def serves(device: torch.device, dtype: torch.dtype | None, label_smoothing: float) -> bool:
     """Whether this torch has F.linear_cross_entropy, computing this loss chunked, summed in fp32 (a feature test)."""
     if not hasattr(F, "linear_cross_entropy") or not hasattr(nn, "LinearCrossEntropyOptions"):
         return False  # torch 2.11 (the GPU machine's) has neither
-    return _torch_chunks_it(device, dtype, label_smoothing)
+    return _chunks_it(device, dtype, label_smoothing)
 
 
 def loss_path(device: torch.device, dtype: torch.dtype | None, label_smoothing: float) -> str:
     """Which code computes the loss on `device` with products in `dtype`: "torch" (F.linear_cross_entropy) or "ours".
 
     GPUs: torch's own chunked F.linear_cross_entropy where it serves
-    (torch_loss_serves: chunked with label smoothing, a fp32 loss sum), else
+    (serves: chunked with label smoothing, a fp32 loss sum), else
     ours, ProjectedSmoothedLoss in autocast's precision. torch 2.13 (the lock's)
     chunks only label_smoothing == 0 and returns a bf16 sum for bf16 inputs, and
     torch 2.11 (the GPU machine's) has no F.linear_cross_entropy: so for the
@@ -77,6 +77,6 @@ def loss_path(device: torch.device, dtype: torch.dtype | None, label_smoothing: 
     bf16 products, ours takes 6.6 s and the whole logits 6.4 s; torch's, at
     eps = 0 only, 0.3 s (fp32 products inside) but a bf16 loss sum.
     """
-    if device.type != "cpu" and torch_loss_serves(device, dtype, label_smoothing):
+    if device.type != "cpu" and serves(device, dtype, label_smoothing):
         return "torch"
     return "ours"

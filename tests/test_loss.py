@@ -27,9 +27,9 @@ HAS_TORCH_LOSS = hasattr(F, "linear_cross_entropy") and hasattr(torch.nn, "Linea
 @pytest.fixture(autouse=True)
 def _small_chunks_and_a_fresh_probe(monkeypatch):
     monkeypatch.setattr(loss_lib.ProjectedSmoothedLoss, "CHUNK", CHUNK)  # chunk_rows(CPU) reads it
-    torch_loss._torch_chunks_it.cache_clear()
+    torch_loss._chunks_it.cache_clear()
     yield
-    torch_loss._torch_chunks_it.cache_clear()
+    torch_loss._chunks_it.cache_clear()
 
 
 def inputs(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -189,7 +189,7 @@ def test_the_gpu_choice_runs_with_and_without_torchs_loss(monkeypatch, has_it):
         pytest.skip("this torch has no F.linear_cross_entropy")
     if not has_it:
         monkeypatch.delattr(F, "linear_cross_entropy", raising=False)
-    serves = torch_loss.torch_loss_serves(CPU, None, 0.0)
+    serves = torch_loss.serves(CPU, None, 0.0)
     assert serves == has_it  # a torch that has it chunks eps = 0 in fp32
     hidden, weight, targets = inputs()
     want = reference(hidden, weight, targets, 0.0)
@@ -208,7 +208,7 @@ def test_the_gpu_choice_runs_with_and_without_torchs_loss(monkeypatch, has_it):
 def test_loss_path_takes_torchs_on_gpus_only_where_it_serves_and_never_on_cpus(monkeypatch):
     cuda = torch.device("cuda", 0)
     for serves in (True, False):
-        monkeypatch.setattr(torch_loss, "torch_loss_serves", lambda device, dtype, eps, serves=serves: serves)
+        monkeypatch.setattr(torch_loss, "serves", lambda device, dtype, eps, serves=serves: serves)
         assert torch_loss.loss_path(cuda, torch.bfloat16, EPS) == ("torch" if serves else "ours")
         assert torch_loss.loss_path(CPU, None, EPS) == "ours"  # measured slower there (loss_path's docstring)
 
@@ -225,7 +225,7 @@ def test_torchs_loss_serves_only_if_it_chunks_and_sums_in_fp32(monkeypatch, flaw
 
     monkeypatch.setattr(F, "linear_cross_entropy", fake, raising=False)
     monkeypatch.setattr(torch.nn, "LinearCrossEntropyOptions", lambda **kwargs: None, raising=False)
-    assert not torch_loss.torch_loss_serves(CPU, torch.bfloat16, EPS)
+    assert not torch_loss.serves(CPU, torch.bfloat16, EPS)
 
 
 # --- (d) the fused chunk (GPUs: compiled), and validation chunked ----------------------------------------------------
