@@ -6,6 +6,14 @@ a made-up language with its own lexicon and noun-before-adjective order. The
 files are served over real HTTP from 127.0.0.1 with pinned sha256, and every
 stage runs for real: download, tokenize, batch, train, average, translate,
 evaluate. A BLEU of at least 90 shows that the pipeline learns, not only runs.
+
+The recipe is chosen so that the score does not hang on rounding: with
+train.seed 1 to 6 it reaches BLEU 100 every time. With 100 warm-up steps the
+tiny post-norm model peaks at a learning rate of 1.25e-2 (6.25e-3 with 400)
+and can stall (BLEU 21 at one of those seeds); with 100 pieces the vocabulary
+splits "rosso" into ro|s|s|o and the decoder must count the repeated piece
+(BLEU 85 to 100 over the six seeds); with 140 no word holds a piece twice in a
+row.
 """
 
 from __future__ import annotations
@@ -24,7 +32,8 @@ def test_dvc_repro_learns_a_synthetic_language(repo, tmp_path):
     www = tmp_path / "www"
     www.mkdir()
     with FileServer(www) as server:
-        params = tiny_params(write_corpus(www, server), max_steps=1500)
+        params = tiny_params(write_corpus(www, server), max_steps=1500, warmup_steps=400)
+        params["tokenize"]["vocab_size"] = 140
         (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
         dvc(repo, "repro")
 
