@@ -165,6 +165,8 @@ class TrainConfig:
     # padded tokens per micro-batch (a process's share of a step split by rows: pipeline/training/plan.py);
     # 0 = from the device: the whole share on a CPU, what fits the memory on a GPU
     micro_batch_tokens: int = field(default=0, metadata={"range": "[0, inf)"})
+    # decoupled weight decay (AdamW) of the weight matrices and embeddings; 0 = none, the paper's Adam
+    weight_decay: float = field(default=0.0, metadata={"range": "[0, inf)"})
 
 
 @dataclass(frozen=True)

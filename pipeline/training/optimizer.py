@@ -21,9 +21,19 @@ from pipeline.training.loader import Batch
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """Adam with the paper's betas and epsilon (Sec. 5.3); the learning rate is set before every step."""
-    return torch.optim.Adam(model.parameters(), lr=0.0, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
-                            fused=True)
+    """Adam with the paper's betas and epsilon (Sec. 5.3); the learning rate is set before every step.
+
+    With train.weight_decay > 0: AdamW, Adam with decoupled weight decay (Loshchilov & Hutter, 2019), each
+    step multiplying the parameters of two or more dimensions (the weight matrices, the shared embedding) by
+    1 - lr x weight_decay; biases and the layer norms' gains and shifts are not decayed.
+    """
+    betas, eps = (cfg.adam_beta1, cfg.adam_beta2), cfg.adam_eps
+    if cfg.weight_decay == 0:
+        return torch.optim.Adam(model.parameters(), lr=0.0, betas=betas, eps=eps, fused=True)
+    matrices = [p for p in model.parameters() if p.dim() >= 2]
+    vectors = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": matrices, "weight_decay": cfg.weight_decay},
+                              {"params": vectors, "weight_decay": 0.0}], lr=0.0, betas=betas, eps=eps, fused=True)
 
 
 def train_step(loss_model: nn.Module, optimizer: torch.optim.Optimizer, micro: list[tuple[Batch, bool]],
