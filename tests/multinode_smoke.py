@@ -21,8 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pipeline.weights.checkpoint import complete_checkpoints, load_checkpoint
-from tests.train_fixtures import ROOT, stage_args, stage_env, write_corpus, write_params
+from tests.train_fixtures import ROOT, final_weights, stage_args, stage_env, write_corpus, write_params
 
 TOLERANCE = 1e-5  # float32 sums in another order (an all-reduce against an accumulation)
 
@@ -97,10 +96,6 @@ def run_one_process(root: Path, params: Path, timeout: float = 300, **env: str) 
     cmd = [sys.executable, "-m", "stages.train", *stage_args(root, params)]
     return subprocess.run(cmd, cwd=ROOT, env=stage_env(**env), capture_output=True, text=True, timeout=timeout,
                           preexec_fn=on_core(0))
-
-
-def final_weights(root: Path) -> dict:
-    return load_checkpoint(complete_checkpoints(root / "checkpoints")[-1])["model"]
 
 
 def max_difference(a: dict, b: dict) -> float:

@@ -10,9 +10,7 @@ counters), and a dimension of 1 a bounded few more.
 
 from __future__ import annotations
 
-import json
 import logging
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,9 +23,10 @@ from pipeline.core.tracking import StageRun
 from pipeline.training import compiled, distributed
 from pipeline.training.loader import TrainingData
 from pipeline.training.trainer import Trainer
-from pipeline.weights.checkpoint import complete_checkpoints, load_checkpoint, load_model
-from stages import average, train
-from tests.train_fixtures import FIRST_ID, MODEL, TRAIN, VOCAB, stage_args, write_corpus, write_params
+from pipeline.weights.checkpoint import load_model
+from stages import average
+from tests.train_fixtures import (FIRST_ID, MODEL, TRAIN, VOCAB, final_weights, last_checkpoint, run_stage,
+                                  write_corpus, write_params)
 
 CPU = torch.device("cpu")
 
@@ -145,11 +144,6 @@ def test_a_dimension_of_1_costs_one_graph_per_layer_class_once_and_trains_as_eag
     torch.testing.assert_close(got, model(src, tgt_in), rtol=1e-5, atol=1e-6)
 
 
-def run_stage(root: Path, params: Path) -> dict:
-    train.main(stage_args(root, params))
-    return json.loads((root / "metrics" / "train.json").read_text())
-
-
 def test_a_compiled_run_writes_eager_checkpoints_resumes_and_switching_compile_does_not_restart(tmp_path, caplog):
     caplog.set_level(logging.INFO)
     write_corpus(tmp_path)
@@ -162,7 +156,7 @@ def test_a_compiled_run_writes_eager_checkpoints_resumes_and_switching_compile_d
     assert metrics["compile_graphs"] == 2 and 0 < metrics["compile_seconds"] < metrics["step_seconds"]
     assert metrics["tokens_per_second"] == pytest.approx(
         metrics["train_tokens"] / (metrics["step_seconds"] - metrics["compile_seconds"]))
-    state = load_checkpoint(complete_checkpoints(tmp_path / "checkpoints")[-1])
+    state = last_checkpoint(tmp_path)
     eager_keys = set(load_model_keys())
     assert set(state["model"]) == eager_keys  # the checkpoint format of an eager run
     caplog.clear()
@@ -203,8 +197,8 @@ def test_a_compile_failure_falls_back_to_eager_with_one_warning_and_eager_weight
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "train.compile" in r.getMessage()]
     assert len(warnings) == 1, caplog.text
     assert "training eager instead" in warnings[0].getMessage() and backend in warnings[0].getMessage()
-    want = load_checkpoint(complete_checkpoints(eager_root / "checkpoints")[-1])["model"]
-    got = load_checkpoint(complete_checkpoints(compiled_root / "checkpoints")[-1])["model"]
+    want = final_weights(eager_root)
+    got = final_weights(compiled_root)
     for name in want:  # the failed step was repeated eager, dropout masks and all
         assert torch.equal(got[name], want[name]), name
 

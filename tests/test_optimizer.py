@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -12,9 +11,7 @@ from model.config import ModelConfig
 from model.transformer import Transformer
 from pipeline.core.config import TrainConfig
 from pipeline.training.optimizer import build_optimizer
-from pipeline.weights.checkpoint import complete_checkpoints, load_checkpoint
-from stages import train
-from tests.train_fixtures import MODEL, TRAIN, VOCAB, stage_args, write_corpus, write_params
+from tests.train_fixtures import MODEL, TRAIN, VOCAB, final_weights, run_stage, write_corpus, write_params
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -50,10 +47,9 @@ def train_to(root: Path, *steps: int, weight_decay: float) -> dict:
     """Run the train stage on root's corpus to each of `steps` in turn; the final weights."""
     write_corpus(root)
     for max_steps in steps:
-        train.main(stage_args(root, write_params(root / "params.yaml", max_steps=max_steps,
-                                                 weight_decay=weight_decay)))
-    assert json.loads((root / "metrics" / "train.json").read_text())["steps"] == steps[-1]
-    return load_checkpoint(complete_checkpoints(root / "checkpoints")[-1])["model"]
+        metrics = run_stage(root, write_params(root / "params.yaml", max_steps=max_steps, weight_decay=weight_decay))
+    assert metrics["steps"] == steps[-1]
+    return final_weights(root)
 
 
 def test_the_train_stage_decays_with_weight_decay_and_resumes_its_optimizer_exactly(tmp_path):

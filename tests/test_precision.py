@@ -19,12 +19,11 @@ from model.config import ModelConfig
 from model.loss import SmoothedLoss
 from model.transformer import Transformer
 from pipeline.training import distributed
-from pipeline.weights.checkpoint import complete_checkpoints, load_checkpoint
 from pipeline.core.config import TrainConfig
 from pipeline.training.loader import Prefetcher, TrainingData, collate
 from pipeline.training.optimizer import build_optimizer, train_step
 from stages import train
-from tests.train_fixtures import MODEL, TRAIN, VOCAB, stage_args, write_corpus, write_params
+from tests.train_fixtures import MODEL, TRAIN, VOCAB, last_checkpoint, stage_args, write_corpus, write_params
 
 CPU = torch.device("cpu")
 
@@ -69,14 +68,14 @@ def test_the_train_stage_trains_and_resumes_under_autocast(tmp_path, monkeypatch
         train.main(stage_args(tmp_path, write_params(tmp_path / "params.yaml", max_steps=4)))
     assert {torch.bfloat16: "precision: bf16 autocast", torch.float16: "precision: fp16 autocast with a gradient "
             "scaler"}[dtype] in caplog.text
-    state = load_checkpoint(complete_checkpoints(tmp_path / "checkpoints")[-1])
+    state = last_checkpoint(tmp_path)
     assert ("scaler" in state) == (dtype == torch.float16)
     assert all(t.dtype == torch.float32 for t in state["model"].values())
     caplog.clear()
     with caplog.at_level(logging.INFO):
         train.main(stage_args(tmp_path, write_params(tmp_path / "params.yaml", max_steps=6)))
     assert "resuming from step 4" in caplog.text
-    state = load_checkpoint(complete_checkpoints(tmp_path / "checkpoints")[-1])
+    state = last_checkpoint(tmp_path)
     assert state["step"] == 6 and all(torch.isfinite(t).all() for t in state["model"].values())
 
 

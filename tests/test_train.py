@@ -34,7 +34,8 @@ from pipeline.weights.checkpoint import complete_checkpoints, load_checkpoint
 from pipeline.core.config import ParamsError
 from pipeline.corpus.formats import BOS_ID, EOS_ID, PAD_ID, load_batches, load_split
 from pipeline.training.loader import collate
-from tests.train_fixtures import MODEL, ROOT, VOCAB, stage_args, stage_env, torchrun, write_corpus, write_params
+from tests.train_fixtures import (MODEL, ROOT, VOCAB, final_weights, last_checkpoint, run_stage, stage_args, stage_env,
+                                  torchrun, write_corpus, write_params)
 
 
 @pytest.fixture(scope="module")
@@ -52,15 +53,6 @@ def _one_thread_shared_store(monkeypatch, caplog, shared_store):
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
-
-
-def run_stage(root: Path, params: Path) -> dict:
-    train.main(stage_args(root, params))
-    return json.loads((root / "metrics" / "train.json").read_text())
-
-
-def final_weights(root: Path) -> dict:
-    return load_checkpoint(complete_checkpoints(root / "checkpoints")[-1])["model"]
 
 
 def plot_rows(root: Path) -> list[dict]:
@@ -294,7 +286,7 @@ def test_two_runs_of_the_same_params_give_identical_weights(tmp_path):
         params = write_params(tmp_path / run / "params.yaml", max_steps=7, checkpoint_every=0, model={"dropout": 0.1})
         metrics = run_stage(tmp_path / run, params)
         assert metrics["steps"] == 7 and metrics["stopped_by"] == "max_steps"
-        finals.append(load_checkpoint(complete_checkpoints(tmp_path / run / "checkpoints")[-1])["model"])
+        finals.append(final_weights(tmp_path / run))
     assert finals[0].keys() == finals[1].keys()
     assert all(torch.equal(finals[0][k], finals[1][k]) for k in finals[0])
 
@@ -312,7 +304,7 @@ def test_libgomps_wait_settings_leave_the_weights_unchanged(tmp_path):
         result = subprocess.run([sys.executable, "-m", "stages.train", *stage_args(tmp_path / run, params)], cwd=ROOT,
                                 env=env, capture_output=True, text=True, timeout=180)
         assert result.returncode == 0, result.stderr[-2000:]
-        finals.append(load_checkpoint(complete_checkpoints(tmp_path / run / "checkpoints")[-1])["model"])
+        finals.append(final_weights(tmp_path / run))
     for other in finals[1:]:
         assert all(torch.equal(finals[0][k], other[k]) for k in finals[0])
 
@@ -393,7 +385,7 @@ def test_changed_params_start_afresh_and_say_so(tmp_path, caplog):
     stale = list(tmp_path.glob("checkpoints.stale/*/step_00000004.pt"))
     assert stale, "old checkpoints were not moved aside"
     assert str(stale[0].parent) in caplog.text
-    assert load_checkpoint(complete_checkpoints(tmp_path / "checkpoints")[-1])["params_hash"] != \
+    assert last_checkpoint(tmp_path)["params_hash"] != \
         load_checkpoint(stale[0])["params_hash"]
 
 

@@ -17,6 +17,7 @@ import numpy as np
 import yaml
 
 from pipeline.corpus.formats import ID_DTYPE, OFFSET_DTYPE, batch_paths, split_paths
+from pipeline.weights.checkpoint import complete_checkpoints, load_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 VOCAB = 24
@@ -91,6 +92,23 @@ def stage_args(root: Path, params: Path) -> list[str]:
     return ["--tokenized", str(root / "tokenized"), "--batches", str(root / "batches"),
             "--checkpoints", str(root / "checkpoints"), "--metrics", str(root / "metrics" / "train.json"),
             "--plot", str(root / "plots" / "train.csv"), "--params", str(params)]
+
+
+def run_stage(root: Path, params: Path) -> dict:
+    """The train stage, in process, over root's corpus; its metrics."""
+    from stages import train
+
+    train.main(stage_args(root, params))
+    return json.loads((root / "metrics" / "train.json").read_text())
+
+
+def last_checkpoint(root: Path) -> dict:
+    """The newest complete checkpoint under root/checkpoints."""
+    return load_checkpoint(complete_checkpoints(root / "checkpoints")[-1])
+
+
+def final_weights(root: Path) -> dict:
+    return last_checkpoint(root)["model"]
 
 
 def stage_env(**extra: str) -> dict[str, str]:
