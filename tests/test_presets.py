@@ -31,7 +31,7 @@ PAPER = {
     "wmt14_en_fr_big": paper(16, 1024, 0.1, 300_000, 20, "fr", dict(vocab_size=32000)),
 }
 COMMON = {
-    "train": dict(adam_beta1=0.9, adam_beta2=0.98, adam_eps=1e-9, lr_factor=1.0, max_minutes=0.0),
+    "train": dict(adam_beta1=0.9, adam_beta2=0.98, adam_eps=1e-9, weight_decay=0.0, lr_factor=1.0, max_minutes=0.0),
     "translate": dict(beam_size=4, length_penalty=0.6, max_len_a=1.0, max_len_b=50),
     "model": dict(positional_encoding="sinusoidal"),
 }
