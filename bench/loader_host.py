@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import time
 
-import numpy as np
 import torch
 
 from bench.train_throughput import synthetic_corpus

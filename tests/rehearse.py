@@ -48,7 +48,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import yaml
 
 from pipeline.core.config import compose
 from pipeline.corpus.formats import SPLITS

@@ -59,8 +59,9 @@ def test_the_presets_data_stages_run_on_a_stand_in_at_the_official_layout(tmp_pa
             assert d[f"lines/{corpus['name']}"] == LINES[split]
     raw = tmp_path / "raw"
     src, tgt = data["src_lang"], data["tgt_lang"]
-    test_src = (raw / f"test.{src}").read_text().splitlines()
-    assert len(test_src) == LINES["test"] and not any("<seg" in line for line in test_src)  # SGML unwrapped
+    for lang in (src, tgt):
+        test_side = (raw / f"test.{lang}").read_text().splitlines()
+        assert len(test_side) == LINES["test"] and not any("<seg" in line for line in test_side)  # SGML unwrapped
     assert metrics["tokenize"]["vocab_size"] == 70
     assert metrics["batch"]["num_batches"] >= 1 and metrics["batch"]["valid_num_batches"] >= 1
     assert not any(k.startswith("sha256_seen/") for k in d)  # every file was pinned
