@@ -25,7 +25,11 @@ class ModelConfig:
     # "sinusoidal" (Sec. 3.5) or "learned" (Table 3 row E)
     positional_encoding: str = field(metadata={"choices": ("sinusoidal", "learned")})
     max_positions: int = field(metadata={"range": "[1, inf)"})  # longest sequence the positional encoding covers
+    # Not in the paper (fairseq's activation_dropout): dropout on the feed-forward's hidden max(0, x W1 + b1).
+    # 0 (no dropout there, as Sec. 5.4) when absent, as in the checkpoints written before it.
+    activation_dropout: float = field(default=0.0, metadata={"range": "[0, 1)"})
 
     def shape(self) -> dict[str, int]:
         """The fields that set the parameter count and the FLOPs (Table 3's size columns)."""
-        return {k: v for k, v in asdict(self).items() if k not in ("dropout", "positional_encoding", "max_positions")}
+        not_shape = ("dropout", "activation_dropout", "positional_encoding", "max_positions")
+        return {k: v for k, v in asdict(self).items() if k not in not_shape}

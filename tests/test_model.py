@@ -224,3 +224,33 @@ def test_initialisation_is_a_standalone_torch_decoder_layers():
     assert biases and all(float(b.abs().max()) == 0.0 for b in biases)
     assert float(ours.embedding.weight[1:].std()) == pytest.approx(d**-0.5, rel=0.02)
     assert float(ours.embedding.weight[0].abs().max()) == 0.0  # the padding row
+
+
+def test_activation_dropout_drops_the_feed_forwards_hidden_units_in_training_only():
+    """model.activation_dropout p: in training, each hidden unit max(0, x W1 + b1) of every feed-forward is zeroed
+    with probability p and the rest scaled by 1 / (1 - p); in eval mode, none. At 0 (the paper, and what a
+    checkpoint's model_config without the key means) the feed-forward draws nothing from the RNG."""
+    model = tiny_model(d_ff=512, activation_dropout=0.25).train()
+    ffn = model.encoder[0].ffn
+    seen = []
+    ffn.w_2.register_forward_pre_hook(lambda _, args: seen.append(args[0].detach()))
+    x = torch.randn(4, 30, 16)
+    hidden = F.relu(ffn.w_1(x)).detach()
+    ffn(x)
+    kept = seen[-1][hidden > 0] / hidden[hidden > 0]
+    dropped = kept == 0
+    assert torch.allclose(kept[~dropped], torch.tensor(1 / 0.75))
+    assert dropped.float().mean().item() == pytest.approx(0.25, abs=0.02)
+    ffn.eval()
+    ffn(x)
+    assert torch.equal(seen[-1], hidden)
+
+    plain = tiny_model(d_ff=512).train()
+    assert plain.encoder[0].ffn.activation_dropout.__class__ is torch.nn.Identity
+    before = torch.get_rng_state()
+    plain.encoder[0].ffn(x)
+    assert torch.equal(torch.get_rng_state(), before)
+    cfg = dict(n_layers=2, d_model=16, d_ff=32, n_heads=2, d_k=8, d_v=6, dropout=0.1,
+               positional_encoding="sinusoidal", max_positions=64)
+    assert ModelConfig(**cfg).activation_dropout == 0.0
+    assert ModelConfig(**cfg).shape() == ModelConfig(**cfg, activation_dropout=0.3).shape()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -59,13 +60,16 @@ def saved_bytes(loss_model: SmoothedLoss, rows: int, length: int) -> int:
     return sum(storages.values())
 
 
-@pytest.mark.parametrize("model", ["default", "tiny"])
+@pytest.mark.parametrize("model", ["default", "default with activation dropout", "tiny"])
 def test_the_activation_estimate_is_what_a_micro_batch_saves_for_backward(model):
     """Measured: the growth of the saved bytes from 8 to 16 rows of 32 tokens (the weights' casts and the loss's
     [V, D] gradient do not grow with the tokens), a padded token each side, in training mode (dropout's masks).
     The plan's estimate within 1.25x of it either way (it fits small and base within 3%, the tiny model's
     d_model 16 and no dropout within 11%: pipeline/training/plan.py)."""
     cfg = ModelConfig(**MODEL) if model == "tiny" else parse(compose([]), "model", ModelConfig)
+    if model == "default with activation dropout":
+        cfg = dataclasses.replace(cfg, activation_dropout=0.1)
+        assert plan.activation_bytes(cfg) > plan.activation_bytes(dataclasses.replace(cfg, activation_dropout=0.0))
     torch.manual_seed(0)
     loss_model = SmoothedLoss(Transformer(cfg, 8000), 0.1)
     rows, length = 8, 32

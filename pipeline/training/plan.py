@@ -31,6 +31,8 @@ weights, their gradients and Adam's moments (16 bytes a parameter):
   LayerNorm inputs, the bf16 inputs of the matrix products, one [tokens, d_ff]
   bf16 tensor per feed-forward, dropout's masks (in their input's dtype on a
   CPU, 1 byte on a GPU: a GPU saves a little less); the loss builds no [N, V] logits (model/loss.py).
+  With model.activation_dropout > 0, each feed-forward saves its mask and the
+  dropped [tokens, d_ff] tensor as well: 3 bytes more a unit of d_ff on a GPU.
   Base (d_model 512, d_ff 2048, 6 + 6 layers): 0.25 MiB a token; big: 0.51 MiB.
   So an 80 GB GPU takes the presets' step (27400 padded tokens) in one
   micro-batch, a 16 GB one base in 1 and big in 2 (tests/test_plan.py). It is
@@ -58,12 +60,14 @@ STATE_BYTES = 16  # a parameter: fp32 weight, gradient, and Adam's two moments
 ENCODER_BYTES_PER_D_MODEL = 26
 DECODER_BYTES_PER_D_MODEL = 45
 BYTES_PER_D_FF = 2
+BYTES_PER_D_FF_DROPPED = 3  # model.activation_dropout > 0: the mask (1 byte on a GPU) and the dropped bf16 tensor
 
 
 def activation_bytes(cfg: ModelConfig) -> float:
     """Saved activations of one padded token (each side) through the whole model, under autocast."""
-    encoder_layer = ENCODER_BYTES_PER_D_MODEL * cfg.d_model + BYTES_PER_D_FF * cfg.d_ff
-    decoder_layer = DECODER_BYTES_PER_D_MODEL * cfg.d_model + BYTES_PER_D_FF * cfg.d_ff
+    ffn = (BYTES_PER_D_FF + (BYTES_PER_D_FF_DROPPED if cfg.activation_dropout > 0 else 0)) * cfg.d_ff
+    encoder_layer = ENCODER_BYTES_PER_D_MODEL * cfg.d_model + ffn
+    decoder_layer = DECODER_BYTES_PER_D_MODEL * cfg.d_model + ffn
     return cfg.n_layers * (encoder_layer + decoder_layer)
 
 
