@@ -14,12 +14,15 @@ PAD, BOS, EOS = 0, 2, 3
 V = 40
 
 
+# d_model 16, 2 layers, d_k != d_v so that a mixed-up projection shows
+TINY = dict(n_layers=2, d_model=16, d_ff=32, n_heads=2, d_k=8, d_v=6, dropout=0.1,
+            positional_encoding="sinusoidal", max_positions=64)
+
+
 def tiny_model(seed: int = 0, **overrides) -> torch.nn.Module:
-    """d_model 16, 2 layers, d_k != d_v so that a mixed-up projection shows; eval mode (no dropout)."""
+    """The TINY model in eval mode (no dropout)."""
     torch.manual_seed(seed)
-    cfg = dict(n_layers=2, d_model=16, d_ff=32, n_heads=2, d_k=8, d_v=6, dropout=0.1,
-               positional_encoding="sinusoidal", max_positions=64)
-    return Transformer(ModelConfig(**{**cfg, **overrides}), V).eval()
+    return Transformer(ModelConfig(**{**TINY, **overrides}), V).eval()
 
 
 def random_tokens(B: int, L: int, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -250,7 +253,5 @@ def test_activation_dropout_drops_the_feed_forwards_hidden_units_in_training_onl
     before = torch.get_rng_state()
     plain.encoder[0].ffn(x)
     assert torch.equal(torch.get_rng_state(), before)
-    cfg = dict(n_layers=2, d_model=16, d_ff=32, n_heads=2, d_k=8, d_v=6, dropout=0.1,
-               positional_encoding="sinusoidal", max_positions=64)
-    assert ModelConfig(**cfg).activation_dropout == 0.0
-    assert ModelConfig(**cfg).shape() == ModelConfig(**cfg, activation_dropout=0.3).shape()
+    assert ModelConfig(**TINY).activation_dropout == 0.0
+    assert ModelConfig(**TINY).shape() == ModelConfig(**TINY, activation_dropout=0.3).shape()
