@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from model.config import ModelConfig
+from model.dropout import Dropout
 
 # --- 3.2 Attention -------------------------------------------------------------
 
@@ -113,7 +114,7 @@ class FeedForward(nn.Module):
         super().__init__()
         self.w_1 = nn.Linear(d_model, d_ff)
         self.w_2 = nn.Linear(d_ff, d_model)
-        self.activation_dropout = nn.Dropout(activation_dropout) if activation_dropout > 0 else nn.Identity()
+        self.activation_dropout = Dropout(activation_dropout) if activation_dropout > 0 else nn.Identity()
 
     def forward(self, x: Tensor) -> Tensor:
         return self.w_2(self.activation_dropout(F.relu(self.w_1(x))))
@@ -143,7 +144,7 @@ class EncoderLayer(nn.Module):
         self.self_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.d_k, cfg.d_v, self_attention=True)
         self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.activation_dropout)
         self.norm_1, self.norm_2 = nn.LayerNorm(cfg.d_model), nn.LayerNorm(cfg.d_model)
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = Dropout(cfg.dropout)
 
     def forward(self, x: Tensor, src_mask: Tensor) -> Tensor:
         x = self.norm_1(x + self.dropout(self.self_attn(x, src_mask)))
@@ -159,7 +160,7 @@ class DecoderLayer(nn.Module):
         self.cross_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.d_k, cfg.d_v, self_attention=False)
         self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.activation_dropout)
         self.norm_1, self.norm_2, self.norm_3 = (nn.LayerNorm(cfg.d_model) for _ in range(3))
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = Dropout(cfg.dropout)
 
     def forward(self, y: Tensor, memory: Tensor, src_mask: Tensor) -> Tensor:
         y = self.norm_1(y + self.dropout(self.self_attn(y, None, causal=True)))
@@ -254,7 +255,7 @@ class Transformer(nn.Module):
             self.learned_pe = nn.Embedding(cfg.max_positions, cfg.d_model)
         self.encoder = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.n_layers))
         self.decoder = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_layers))
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = Dropout(cfg.dropout)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
