@@ -42,7 +42,9 @@ class Dropout(nn.Module):
             return x
         if x.device.type != "cpu":
             return F.dropout(x, self.p, True)
-        return torch.where(keep_mask(x.shape, self.dropped), x * self.scale, 0.0)
+        # x times a mask of 0 and the scale: the values of where(keep, x * scale, 0) and their gradient, at half
+        # its time on a CPU (where and its backward are slower passes than two products)
+        return x * keep_mask(x.shape, self.dropped).to(x.dtype).mul_(self.scale)
 
     def extra_repr(self) -> str:
         return f"p={self.p}"
