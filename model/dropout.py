@@ -44,7 +44,10 @@ class Dropout(nn.Module):
             return F.dropout(x, self.p, True)
         # x times a mask of 0 and the scale: the values of where(keep, x * scale, 0) and their gradient, at half
         # its time on a CPU (where and its backward are slower passes than two products)
-        return x * keep_mask(x.shape, self.dropped).to(x.dtype).mul_(self.scale)
+        mask = keep_mask(x.shape, self.dropped).to(x.dtype)
+        if x.dtype == torch.float32:
+            return x * mask.mul_(self.scale)
+        return x * mask * self.scale  # a 16-bit mask would round the scale
 
     def extra_repr(self) -> str:
         return f"p={self.p}"

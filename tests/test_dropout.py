@@ -45,3 +45,14 @@ def test_the_mask_follows_torchs_seed_and_rng_state_and_eval_or_p_0_draws_nothin
     before = torch.get_rng_state()
     assert torch.equal(drop.eval()(x), x) and torch.equal(Dropout(0.0).train()(x), x)
     assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_a_half_precision_input_keeps_its_dtype_and_an_unrounded_scale():
+    """bf16 on a CPU: the kept elements are x * scale as bf16 arithmetic gives it, not x times a scale rounded to bf16."""
+    torch.manual_seed(2)
+    x = (torch.rand(200, 300) + 1).bfloat16()
+    drop = Dropout(0.1).train()
+    out = drop(x)
+    kept = out != 0
+    assert out.dtype == torch.bfloat16 and 0.08 < 1 - kept.float().mean().item() < 0.12
+    assert torch.equal(out[kept], x[kept] * drop.scale)
