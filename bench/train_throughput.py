@@ -10,7 +10,8 @@ batch.max_tokens = 2500, one batch per step.
 
   ours      pipeline.training.optimizer.train_step with build_optimizer (what the train
             stage runs): SmoothedLoss (projection and loss on real target
-            tokens only), fused Adam, the paper's dropout placement.
+            tokens only), fused Adam, the paper's dropout placement with
+            model/dropout.py's masks (bench.dropout measures them alone).
   baseline  torch.nn.Transformer(d_model, nhead, layers, dim_feedforward,
             dropout, batch_first=True), post-norm as the paper, with the same
             shared embedding (x sqrt(d_model)), sinusoidal encoding, output
