@@ -5,8 +5,8 @@
 Per preset (gpu-check's setting, bench/gpu_setup.py: the preset's model, batch config and Trainer in
 a process group of one, eager, on a fresh WMT-shaped corpus), after WARMUP steps:
   timed    TIMED steps unprofiled, timed as gpu-check times them (bench.gpu_timing.timed):
-           milliseconds a step, target tokens/s.
-  busy     --steps steps under torch.profiler: the share of the profiled span in which the GPU ran
+           milliseconds a step, target tokens/s; every preset is timed before any is profiled.
+  busy     --steps steps under torch.profiler (a trainer of its own, after WARMUP steps): the share of the profiled span in which the GPU ran
            something (the union of its kernels, copies and memsets), and the GPU's own milliseconds a
            step; the profiler slows the host, so the unprofiled step time above is the rate.
   gaps     the GPU's idle gaps: how many last over 50 us and their sum; the largest, each with the
@@ -120,14 +120,26 @@ def lines(name: str, r: dict) -> list[str]:
     return out
 
 
-def read_preset(name: str, ctx: distributed.Dist, steps: int, tiny: bool, work: Path, trace: Path | None) -> dict:
-    """Time and profile one preset's eager Trainer.step (module docstring)."""
+def time_preset(name: str, ctx: distributed.Dist, tiny: bool, work: Path) -> dict:
+    """One preset's eager Trainer.step timed, unprofiled: WARMUP steps, then TIMED (module docstring)."""
     s = preset(name, ctx.device, tiny)
-    data = training_data(s, 7, WARMUP + TIMED + steps, work / name)
-    t = trainer(s, data, ctx, "eager", None)
+    t = trainer(s, training_data(s, 7, WARMUP + TIMED, work / name), ctx, "eager", None)
     try:
         r = timed(lambda: t.step(t.epoch_order()), lambda: (t.progress.train_tokens, 0.0), TIMED, ctx.device,
-                  check_syncs=False, warmup=WARMUP)
+                  check_syncs=False, warmup=WARMUP, kernels=False)
+    finally:
+        t.close()
+    return {"ms_per_step": r["tokens_per_step"] / r["tokens_per_s"] * 1e3, "tokens_per_s": r["tokens_per_s"]}
+
+
+def profile_preset(name: str, ctx: distributed.Dist, steps: int, tiny: bool, work: Path, trace: Path | None) -> dict:
+    """One preset's eager Trainer.step under torch.profiler, `steps` steps after WARMUP: the read of its trace."""
+    s = preset(name, ctx.device, tiny)
+    t = trainer(s, training_data(s, 7, WARMUP + steps, work / f"{name}-profiled"), ctx, "eager", None)
+    try:
+        for _ in range(WARMUP):
+            t.step(t.epoch_order())
+        sync(ctx.device)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.cuda else [])
         with profile(activities=activities) as prof:
             for _ in range(steps):
@@ -139,8 +151,7 @@ def read_preset(name: str, ctx: distributed.Dist, steps: int, tiny: bool, work: 
     path.parent.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(path))
     events = json.loads(path.read_text())["traceEvents"]
-    ms = r["tokens_per_step"] / r["tokens_per_s"] * 1e3
-    return {"ms_per_step": ms, "tokens_per_s": r["tokens_per_s"], "steps": steps, "gpu": read_trace(events, steps)}
+    return {"steps": steps, "gpu": read_trace(events, steps)}
 
 
 def main(argv: list[str] | None = None) -> dict | None:
@@ -156,9 +167,13 @@ def main(argv: list[str] | None = None) -> dict | None:
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     results = {}
     with tempfile.TemporaryDirectory(prefix="gpu-profile-") as work, process_group(device) as ctx:
+        # Every preset timed before any is profiled: a profiler session can leave the CUDA profiling interface
+        # (CUPTI) attached to the process, which slows each kernel launch after it (pytorch/pytorch#144455).
         for name in args.models:
-            results[name] = r = read_preset(name, ctx, args.steps, args.tiny, Path(work), args.trace)
-            print("\n".join(lines(name, r)), flush=True)
+            results[name] = time_preset(name, ctx, args.tiny, Path(work))
+        for name in args.models:
+            results[name] |= profile_preset(name, ctx, args.steps, args.tiny, Path(work), args.trace)
+            print("\n".join(lines(name, results[name])), flush=True)
     return results
 
 

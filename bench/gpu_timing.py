@@ -27,9 +27,9 @@ MODES = ("eager", "compiled", "graphs")
 
 def timed(step: Callable[[], object], count: Callable[[], tuple[float, float]], steps: int,
           device: torch.device, check_syncs: bool = True, compiling: Callable[[], float] = lambda: 0.0,
-          warmup: int = WARMUP_STEPS) -> dict:
-    """`warmup` calls of `step` (compiling falls here; the last one profiled on CUDA: the attention kernels it
-    ran), then `steps` timed ones (on CUDA under set_sync_debug_mode where `check_syncs`: each host sync is
+          warmup: int = WARMUP_STEPS, kernels: bool = True) -> dict:
+    """`warmup` calls of `step` (compiling falls here; where `kernels`, the last one profiled on CUDA: the attention
+    kernels it ran), then `steps` timed ones (on CUDA under set_sync_debug_mode where `check_syncs`: each host sync is
     recorded); `count`: (target tokens, FLOPs) trained so far. Seconds and dynamo's work of each part apart;
     tokens/s, FLOP/s and peak memory of the timed part, over its seconds less those `compiling` (seconds spent
     compiling so far) grew by: a graph compiled once during the timed steps is a one-off cost of the run, not its
@@ -37,7 +37,7 @@ def timed(step: Callable[[], object], count: Callable[[], tuple[float, float]], 
     start = time.perf_counter()
     with Dynamo() as warm:
         for i in range(warmup):
-            with profiled(device) if i == warmup - 1 else contextlib.nullcontext() as kernels:
+            with profiled(device) if kernels and i == warmup - 1 else contextlib.nullcontext() as names:
                 step()
     sync(device)
     warmup_seconds = time.perf_counter() - start
@@ -57,7 +57,7 @@ def timed(step: Callable[[], object], count: Callable[[], tuple[float, float]], 
             "memory": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
             "warmup_seconds": warmup_seconds, "warmup_graphs": warm.graphs, "new_graphs": during.graphs,
             "dynamo": during, "warmup_dynamo": warm, "syncs_checked": checked.checked, "host_syncs": checked.syncs,
-            "attention": None if kernels is None else attention_kernels(kernels)}
+            "attention": None if names is None else attention_kernels(names)}
 
 
 def trainer(s: Setup, data: TrainingData, ctx: distributed.Dist, mode: str, checkpoints: Path | None) -> Trainer:

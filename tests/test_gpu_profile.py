@@ -63,3 +63,44 @@ def test_tiny_read_times_the_step_and_keeps_a_trace_of_it(tmp_path, capsys):
         assert r["gpu"] is None and "no GPU events" in capsys.readouterr().out
     events = json.loads((tmp_path / "base.json").read_text())["traceEvents"]
     assert sum(e.get("name") == "Optimizer.step#Adam.step" for e in events) == 2  # one update per profiled step
+
+
+def test_every_preset_is_timed_before_any_profiler_runs(monkeypatch):
+    # A profiler session can leave CUPTI attached and slow every later launch: no timed step may follow one.
+    import bench.gpu_profile as gpu_profile
+    from bench import gpu_timing
+
+    events: list[str] = []
+    real_timed, real_profile, real_profiled = gpu_profile.timed, gpu_profile.profile, gpu_timing.profiled
+
+    def timed(*args, **kwargs):
+        events.append("timed")
+        return real_timed(*args, **kwargs)
+
+    def profile(*args, **kwargs):
+        events.append("profile")
+        return real_profile(*args, **kwargs)
+
+    def profiled(*args, **kwargs):
+        events.append("profiled warm-up step")
+        return real_profiled(*args, **kwargs)
+
+    monkeypatch.setattr(gpu_profile, "timed", timed)
+    monkeypatch.setattr(gpu_profile, "profile", profile)
+    monkeypatch.setattr(gpu_timing, "profiled", profiled)
+    results = main(["--tiny", "--models", "base", "big", "--steps", "1"])
+    assert events == ["timed", "timed", "profile", "profile"]
+    assert all(r["ms_per_step"] > 0 and r["steps"] == 1 for r in results.values())
+
+
+def test_timed_profiles_its_last_warm_up_step_only_where_asked(monkeypatch):
+    from bench import gpu_timing
+
+    calls = []
+    real = gpu_timing.profiled
+    monkeypatch.setattr(gpu_timing, "profiled", lambda device: calls.append(device) or real(device))
+    count = lambda: (float(len(calls)), 0.0)  # noqa: E731
+    for kernels, expected in ((True, 1), (False, 0)):
+        calls.clear()
+        gpu_timing.timed(lambda: None, count, 2, torch.device("cpu"), warmup=3, kernels=kernels)
+        assert len(calls) == expected
