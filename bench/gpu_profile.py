@@ -6,9 +6,10 @@ Per preset (gpu-check's setting, bench/gpu_setup.py: the preset's model, batch c
 a process group of one, eager, on a fresh WMT-shaped corpus), after WARMUP steps:
   timed    TIMED steps unprofiled, timed as gpu-check times them (bench.gpu_timing.timed):
            milliseconds a step, target tokens/s; every preset is timed before any is profiled.
-  busy     --steps steps under torch.profiler (a trainer of its own, after WARMUP steps): the share of the profiled span in which the GPU ran
-           something (the union of its kernels, copies and memsets), and the GPU's own milliseconds a
-           step; the profiler slows the host, so the unprofiled step time above is the rate.
+  busy     --steps steps under torch.profiler (a trainer of its own, after WARMUP steps): the share
+           of the profiled span in which the GPU ran something (the union of its kernels, copies and
+           memsets), and the GPU's own milliseconds a step; the profiler slows the host, so the
+           unprofiled step time above is the rate.
   gaps     the GPU's idle gaps: how many last over 50 us and their sum; the largest, each with the
            host ops that spanned at least half of it (what the host did while the GPU waited).
   kinds    GPU milliseconds and operations a step per kind: gemm, attention, elementwise, reduction,
