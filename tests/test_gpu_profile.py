@@ -71,23 +71,16 @@ def test_every_preset_is_timed_before_any_profiler_runs(monkeypatch):
     from bench import gpu_timing
 
     events: list[str] = []
-    real_timed, real_profile, real_profiled = gpu_profile.timed, gpu_profile.profile, gpu_timing.profiled
 
-    def timed(*args, **kwargs):
-        events.append("timed")
-        return real_timed(*args, **kwargs)
+    def recording(label, real):
+        def call(*args, **kwargs):
+            events.append(label)
+            return real(*args, **kwargs)
+        return call
 
-    def profile(*args, **kwargs):
-        events.append("profile")
-        return real_profile(*args, **kwargs)
-
-    def profiled(*args, **kwargs):
-        events.append("profiled warm-up step")
-        return real_profiled(*args, **kwargs)
-
-    monkeypatch.setattr(gpu_profile, "timed", timed)
-    monkeypatch.setattr(gpu_profile, "profile", profile)
-    monkeypatch.setattr(gpu_timing, "profiled", profiled)
+    monkeypatch.setattr(gpu_profile, "timed", recording("timed", gpu_profile.timed))
+    monkeypatch.setattr(gpu_profile, "profile", recording("profile", gpu_profile.profile))
+    monkeypatch.setattr(gpu_timing, "profiled", recording("profiled warm-up step", gpu_timing.profiled))
     results = main(["--tiny", "--models", "base", "big", "--steps", "1"])
     assert events == ["timed", "timed", "profile", "profile"]
     assert all(r["ms_per_step"] > 0 and r["steps"] == 1 for r in results.values())
@@ -99,8 +92,7 @@ def test_timed_profiles_its_last_warm_up_step_only_where_asked(monkeypatch):
     calls = []
     real = gpu_timing.profiled
     monkeypatch.setattr(gpu_timing, "profiled", lambda device: calls.append(device) or real(device))
-    count = lambda: (float(len(calls)), 0.0)  # noqa: E731
     for kernels, expected in ((True, 1), (False, 0)):
         calls.clear()
-        gpu_timing.timed(lambda: None, count, 2, torch.device("cpu"), warmup=3, kernels=kernels)
+        gpu_timing.timed(lambda: None, lambda: (0.0, 0.0), 2, torch.device("cpu"), warmup=3, kernels=kernels)
         assert len(calls) == expected
