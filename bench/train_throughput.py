@@ -21,11 +21,14 @@ batch.max_tokens = 2500, one batch per step.
             paper (attention- and ReLU-dropout, a final LayerNorm per stack).
 
 Both run in one process, alternating rounds of `--steps` timed steps (after one
-warm-up step each) so that load from other programs hits both alike. Reported:
-real target tokens per second, and MFU = analytic training FLOPs
-(model.flops.training_flops on real tokens) / (best round's time x the machine's
-fp32 matmul peak: the best of model.flops.measure_matmul_peak before and after
-every round, since a shared machine's load changes while we run). Targets on a 2-core CPU:
+warm-up step each) so that load from other programs hits both alike, with the
+matrix products the default's train.cpu_matmul picks on this CPU (bf16 on AMX,
+else fp32: pipeline/training/cpu_matmul.py) and the attention kernels that go
+with them, for both. Reported: real target tokens per second, and MFU = analytic
+training FLOPs (model.flops.training_flops on real tokens) / (best round's time x
+the machine's matmul peak in those products: the best of
+model.flops.measure_matmul_peak before and after every round, since a shared
+machine's load changes while we run). Targets on a 2-core CPU:
 ours >= 1.3x the baseline's tokens/s, and MFU >= 0.45 of the measured peak.
 """
 
@@ -48,7 +51,7 @@ from model.config import ModelConfig
 from model.loss import SmoothedLoss
 from model.transformer import Transformer, sinusoidal_encoding
 from pipeline.core import config
-from pipeline.training import distributed
+from pipeline.training import attention, cpu_matmul, distributed
 from pipeline.core.config import TrainConfig
 from pipeline.corpus.formats import PAD_ID, Ragged
 from pipeline.training.loader import Batch, collate
@@ -146,7 +149,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     cfg, train_cfg = default_configs()
-    print(f"model {cfg}, vocab {VOCAB}, batch.max_tokens {MAX_TOKENS}, {torch.get_num_threads()} threads")
+    products = cpu_matmul.choose(train_cfg.cpu_matmul, torch.device("cpu"))
+    cpu_matmul.use(products)
+    attention.use(torch.device("cpu"))
+    print(f"model {cfg}, vocab {VOCAB}, batch.max_tokens {MAX_TOKENS}, {torch.get_num_threads()} threads, "
+          f"{cpu_matmul.describe(products)} (train.cpu_matmul = {train_cfg.cpu_matmul}) for both")
 
     src, tgt, batches, order, data = synthetic_batches(MAX_TOKENS, args.steps + 1)
     warmup, timed = data[0], data[1:]
@@ -179,14 +186,14 @@ def main(argv: list[str] | None = None) -> None:
             print(f"  round {r + 1} {name:15s} {tokens / seconds[name][-1]:8.0f} tok/s")
         peaks.append(flops_lib.measure_matmul_peak(torch.float32))
     peak = max(peaks)  # the machine's peak; lower figures were measured under someone else's load
-    print(f"fp32 matmul peak: {peak / 1e9:.1f} GFLOP/s (best of {', '.join(f'{p / 1e9:.0f}' for p in peaks)})")
+    print(f"{products} matmul peak: {peak / 1e9:.1f} GFLOP/s (best of {', '.join(f'{p / 1e9:.0f}' for p in peaks)})")
     print(f"{'':15s} {'tok/s (best)':>13s} {'tok/s (median)':>15s} {'MFU (best)':>11s}")
     best = {}
     for name, times in seconds.items():
         best[name] = tokens / min(times)
         print(f"{name:15s} {best[name]:13.0f} {tokens / statistics.median(times):15.0f} {flops / min(times) / peak:11.1%}")
     print(f"speed-up: {best['ours'] / best['nn.Transformer']:.2f}x (target >= 1.3x); "
-          f"MFU {flops / min(seconds['ours']) / peak:.1%} of the measured fp32 peak (target >= 45%)")
+          f"MFU {flops / min(seconds['ours']) / peak:.1%} of the measured {products} peak (target >= 45%)")
 
 if __name__ == "__main__":
     main()

@@ -11,8 +11,10 @@ training and decoding use, in this order:
     math       everything
 
 and no cuDNN. TRANSFORMER_SDPA_BACKENDS (a comma list of cudnn, flash, efficient, math, in priority order) replaces
-that list, for a GPU where other kernels measured faster. On a CPU nothing changes: torch's default CPU kernels
-(the variable is checked, not applied).
+that list, for a GPU where other kernels measured faster. On a CPU nothing changes, torch's default CPU kernels (the
+variable is checked, not applied), unless the process's matrix products are bf16 (pipeline/training/cpu_matmul.py):
+then the math kernel: with bf16 products torch's flash kernel for CPUs made the default's training step slower
+than fp32 products, the math kernel faster (bench.cpu_matmul, docs/benchmarks.md).
 
     description = attention.use(device)   # once per process (the Trainer, the translate stage): log it
     with attention.kernels(device): ...   # the same, for a block only
@@ -35,6 +37,7 @@ BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTEN
             "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
 DEFAULT = ("flash", "efficient", "math")
 CPU = "torch's default CPU kernels"
+CPU_BF16 = ("math",)  # a CPU with bf16 matrix products
 
 _process = contextlib.ExitStack()  # what use() entered, held until the process ends
 _process_choice: tuple[str, ...] | None = None
@@ -56,7 +59,9 @@ def overridden() -> tuple[str, ...] | None:
 def choice(device: torch.device) -> tuple[str, ...] | None:
     """The backends, in priority order, that attention on `device` runs under; None: torch's default (CPUs)."""
     named = overridden()  # a bad value fails on every device, so a typo shows before the GPU run
-    return None if device.type != "cuda" else named or DEFAULT
+    if device.type != "cuda":
+        return CPU_BF16 if torch.backends.mkldnn.matmul.fp32_precision == "bf16" else None
+    return named or DEFAULT
 
 
 def has_priority() -> bool:
@@ -64,10 +69,11 @@ def has_priority() -> bool:
     return "set_priority" in inspect.signature(sdpa_kernel).parameters
 
 
-def describe(names: tuple[str, ...] | None) -> str:
-    """One line for the log: the backends and why (`names` from choice)."""
-    if names is None:
-        return CPU + (f" ({ENV} applies to CUDA GPUs only)" if overridden() else "")
+def describe(names: tuple[str, ...] | None, device: torch.device | None = None) -> str:
+    """One line for the log: the backends and why (`names` from choice(device); a device other than CUDA: a CPU's)."""
+    if names is None or (device is not None and device.type != "cuda"):
+        cpu = CPU if names is None else "torch's math kernel on a CPU with bf16 matrix products"
+        return cpu + (f" ({ENV} applies to CUDA GPUs only)" if overridden() else "")
     order = "in that order" if has_priority() else "enabled, in torch's own order (this torch has no set_priority)"
     why = (f"{ENV} overrides" if names == DEFAULT else f"from {ENV}")
     cudnn = "" if "cudnn" in names else "cuDNN off: it builds a plan per new shape; "
@@ -79,11 +85,11 @@ def kernels(device: torch.device) -> Iterator[str]:
     """Run the block under choice(device)'s backends (nothing changes on a CPU); yields describe's line."""
     names = choice(device)
     if names is None:
-        yield describe(names)
+        yield describe(names, device)
         return
     priority = {"set_priority": True} if has_priority() else {}
     with sdpa_kernel([BACKENDS[n] for n in names], **priority):
-        yield describe(names)
+        yield describe(names, device)
 
 
 def use(device: torch.device) -> str:
@@ -98,4 +104,4 @@ def use(device: torch.device) -> str:
         if names is not None:
             _process.enter_context(kernels(device))
         _process_choice = names
-    return describe(names)
+    return describe(names, device)

@@ -264,17 +264,28 @@ def lost_peers(error: BaseException, ctx: Dist) -> bool:
     return ctx.world > 1 and (isinstance(error, dist.DistError) or "gloo" in str(error))
 
 
-def mixed_precision(ctx: Dist) -> tuple[contextlib.AbstractContextManager, torch.amp.GradScaler]:
+def precision(ctx: Dist, cpu: str = "fp32") -> str:
+    """What a run on ctx.device trains in, as metrics/train.json and MLflow record it: on a CPU without autocast,
+    `cpu` (pipeline/training/cpu_matmul.py's describe); else PRECISIONS of autocast_dtype."""
+    dtype = autocast_dtype(ctx.device)
+    return cpu if dtype == torch.float32 and not ctx.cuda else PRECISIONS[dtype]
+
+
+def mixed_precision(ctx: Dist, label: str | None = None) -> tuple[contextlib.AbstractContextManager,
+                                                                  torch.amp.GradScaler]:
     """The autocast context and gradient scaler of training on ctx.device (autocast_dtype; the scaler for fp16 only),
-    logged, and the same on every rank: a world of mixed GPUs would average gradients of differently scaled losses."""
+    logged, and the same on every rank: a world of mixed GPUs would average gradients of differently scaled losses.
+    `label`: precision()'s line (a CPU's matrix products), checked the same way; else that of autocast_dtype."""
     device = ctx.device
     dtype = autocast_dtype(device)
+    label = label or PRECISIONS[dtype]
     where = (f" ({torch.cuda.get_device_name(device)}, compute capability "
              f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))})" if device.type == "cuda" else "")
-    log.info("precision: %s%s%s", PRECISIONS[dtype], " (no bf16 on this GPU)" if dtype == torch.float16 else "", where)
-    check_same(PRECISIONS[dtype], "training precision", ctx, shown=True,
+    log.info("precision: %s%s%s", label, " (no bf16 on this GPU)" if dtype == torch.float16 else "", where)
+    check_same(label, "training precision", ctx, shown=True,
                remedy="every process of a run must train in the same precision: run it on GPUs of one kind (bf16 on "
-                      "compute capability 8.0 and newer, fp16 on 7.x, fp32 before)")
+                      "compute capability 8.0 and newer, fp16 on 7.x, fp32 before), or CPUs that all have AMX or "
+                      "none (train.cpu_matmul: auto)")
     autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
     return autocast, torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
 

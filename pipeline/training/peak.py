@@ -10,7 +10,9 @@ Sources, as `peak_flops_source` in metrics/train.json:
             threads x clock ("cpu MHz") x fp32 FLOP per cycle of its widest
             fused multiply-add unit (FLOPS_PER_CYCLE: two FMA pipes, as on
             Zen and most Xeons). The AMD EPYC here: 2 x 2445 MHz x 32 =
-            156.5 GFLOP/s, where a quiet matmul measured 155-162.
+            156.5 GFLOP/s, where a quiet matmul measured 155-162. With
+            bf16 matrix products (train.cpu_matmul, on AMX): threads x clock
+            x AMX_BF16_FLOPS_PER_CYCLE, the tiles' bf16 rate.
   measured  other CPUs and GPUs: the best matmul rate at that precision of
             ROUNDS rounds of SECONDS each, measured when this machine has no
             cached figure yet, then cached. (Measured on a loaded machine it
@@ -48,6 +50,7 @@ ROUNDS, SECONDS = 5, 1.0
 CACHE_NAME = "attention-is-all-you-need/peak_flops.json"
 # fp32 FLOP per cycle and core for the widest FMA unit the flags show: two pipes x lanes x 2 (multiply, add).
 FLOPS_PER_CYCLE = ((("avx512f",), 64), (("avx2", "fma"), 32), (("avx",), 16), (("sse2",), 8))
+AMX_BF16_FLOPS_PER_CYCLE = 1024  # per core: a 16 x 32 by 32 x 16 bf16 tile product (16,384 FLOP) every 16 cycles
 
 
 @dataclass(frozen=True)
@@ -130,10 +133,14 @@ def cpu_name() -> str:
     return cpuinfo("model name") or "cpu"
 
 
-def nominal_cpu_peak(threads: int, text: str | None = None) -> float | None:
-    """threads x clock x FLOPS_PER_CYCLE of the widest FMA unit, from /proc/cpuinfo (or `text`); None if unknown."""
+def nominal_cpu_peak(threads: int, text: str | None = None, products: str = "fp32") -> float | None:
+    """threads x clock x FLOPS_PER_CYCLE of the widest FMA unit (AMX_BF16_FLOPS_PER_CYCLE for bf16 `products`, on
+    a CPU with amx_bf16), from /proc/cpuinfo (or `text`); None if unknown."""
     mhz, flags = cpuinfo("cpu MHz", text), set((cpuinfo("flags", text) or "").split())
-    per_cycle = next((n for needs, n in FLOPS_PER_CYCLE if flags.issuperset(needs)), None)
+    if products == "bf16":
+        per_cycle = AMX_BF16_FLOPS_PER_CYCLE if "amx_bf16" in flags else None
+    else:
+        per_cycle = next((n for needs, n in FLOPS_PER_CYCLE if flags.issuperset(needs)), None)
     try:
         clock = float(mhz) * 1e6 if mhz else 0.0
     except ValueError:
@@ -141,9 +148,10 @@ def nominal_cpu_peak(threads: int, text: str | None = None) -> float | None:
     return threads * clock * per_cycle if clock > 0 and per_cycle else None
 
 
-def peak_flops(ctx: Dist, path: Path | None = None) -> Peak:
+def peak_flops(ctx: Dist, path: Path | None = None, products: str = "fp32") -> Peak:
     """This process's device peak: a GPU's datasheet figure, a CPU's nominal one, else the cached (or now measured)
-    matmul peak."""
+    matmul peak. `products`: a CPU's matrix products, "fp32" or "bf16" (pipeline/training/cpu_matmul.py, applied
+    before this call); the paper's estimate keeps the fp32 figure."""
     path = path or cache_path()
     if ctx.cuda:
         name, dtype = torch.cuda.get_device_name(ctx.device), autocast_dtype(ctx.device)
@@ -158,11 +166,14 @@ def peak_flops(ctx: Dist, path: Path | None = None) -> Peak:
         return Peak(flops, fp32 / 1e12, name, source, key)
     threads = torch.get_num_threads()
     device = f"{cpu_name()} ({threads} threads/process)"
-    if nominal := nominal_cpu_peak(threads):
-        return Peak(nominal, nominal / 1e12, device, "nominal", None)
-    key = cache_key(cpu_name(), threads, "fp32")
+    fp32 = nominal_cpu_peak(threads)
+    if products == "bf16" and (nominal := nominal_cpu_peak(threads, products="bf16")):
+        return Peak(nominal, (fp32 or nominal) / 1e12, device, "nominal", None)
+    if products == "fp32" and fp32:
+        return Peak(fp32, fp32 / 1e12, device, "nominal", None)
+    key = cache_key(cpu_name(), threads, "fp32" if products == "fp32" else "fp32 with bf16 products")
     flops, source = cached_peak(path, key, lambda: measured_peak(torch.float32, ctx.device))
-    return Peak(flops, flops / 1e12, device, source, key)
+    return Peak(flops, (fp32 or flops) / 1e12, device, source, key)
 
 
 def at_least(peak: Peak, achieved: float) -> Peak:

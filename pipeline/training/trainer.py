@@ -21,10 +21,10 @@ stopped_by = "max_minutes" when it fired (else "max_steps").
 Checkpoints every checkpoint_every steps and at the end, never by the clock, so
 the checkpoints average takes are the same on any hardware; on start the newest
 matching one is resumed exactly (run_checkpoints.py).
-Precision: distributed.mixed_precision. train.compile compiles the encoder and decoder layers
-(pipeline/training/compiled.py: checkpoints unchanged); if compiling fails, the step is repeated eager
-and the run stays eager, with one warning. The next step's micro-batches are built
-in a background thread while this one trains (loader.Prefetcher).
+Precision: distributed.mixed_precision on GPUs, train.cpu_matmul on CPUs (cpu_matmul.py). train.compile compiles
+the encoder and decoder layers (pipeline/training/compiled.py: checkpoints unchanged); if compiling fails, the step is
+repeated eager and the run stays eager, with one warning. The next step's micro-batches are built in a background
+thread while this one trains (loader.Prefetcher).
 
 Beside it in pipeline/training: validation.py (the valid loss and perplexity), records.py (Progress, the plot rows,
 metrics/train.json, the STAGES_TRAIN_TRACE debug lines), params.py (params_hash),
@@ -50,7 +50,7 @@ from model.loss import SmoothedLoss
 from model.schedule import lrate
 from model.transformer import Transformer
 from pipeline.weights import checkpoint as ckpt
-from pipeline.training import attention, compiled, distributed, graphs, peak, plan, records
+from pipeline.training import attention, compiled, cpu_matmul, distributed, graphs, peak, plan, records
 from pipeline.weights import faults, fingerprint
 from pipeline.core import tracking
 from pipeline.corpus import steps
@@ -92,7 +92,11 @@ class Trainer(RunCheckpoints):
         self.optimizer = build_optimizer(self.model, cfg)
         # Paper: fp32 on P100s. GPUs train under autocast: bf16, or fp16 with a gradient scaler on GPUs without
         # bf16 (the weights and Adam stay fp32).
-        self.autocast, self.scaler = distributed.mixed_precision(ctx)
+        # CPUs: fp32, or bf16 matrix products on AMX (train.cpu_matmul), for this process and its attention kernels.
+        self.products = cpu_matmul.choose(cfg.cpu_matmul, ctx.device)
+        cpu_matmul.use(self.products)
+        self.precision = distributed.precision(ctx, cpu_matmul.describe(self.products))
+        self.autocast, self.scaler = distributed.mixed_precision(ctx, self.precision)
         torch.manual_seed(cfg.seed + ctx.rank)  # dropout masks differ between ranks
         # The code that shapes the weights (every project file train imports), recorded in each checkpoint:
         # a checkpoint of other code is not resumed (pipeline/weights/checkpoint.py, resume_point).
@@ -116,9 +120,10 @@ class Trainer(RunCheckpoints):
         if left_out:
             log.warning("%d valid pair(s) longer than model.max_positions = %d are left out of validation",
                         left_out, model_cfg.max_positions)
-        self.peak = peak.peak_flops(ctx) if ctx.is_main else peak.Peak(0.0, 0.0, "", "", None)
+        self.peak = peak.peak_flops(ctx, products=self.products) if ctx.is_main else peak.Peak(0.0, 0.0, "", "", None)
         run.log_params({"model": asdict(model_cfg), "train": asdict(cfg), "batch.max_tokens": max_tokens,
-                        "grad_accum": self.accum, "device": self.peak.device, "params_hash": phash,
+                        "grad_accum": self.accum, "device": self.peak.device, "precision": self.precision,
+                        "params_hash": phash,
                         "code_hash": self.code_hash,
                         "attention": ",".join(attention.choice(ctx.device) or ("cpu-default",))})
 
@@ -286,4 +291,4 @@ class Trainer(RunCheckpoints):
         return records.train_metrics(
             self.progress, stopped_by_time=self.stopped_by_time, train_batches=len(self.data.train_batches),
             cuda_graphs=graphs.totals(self.ctx.device) if self.cfg.cuda_graphs else (None, None), peak=self.peak,
-            world=self.ctx.world, accum=self.accum, code_hash=self.code_hash, phash=self.phash)
+            world=self.ctx.world, accum=self.accum, code_hash=self.code_hash, phash=self.phash, precision=self.precision)

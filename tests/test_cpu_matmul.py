@@ -1,0 +1,125 @@
+"""train.cpu_matmul: bf16 matrix products on a CPU with AMX, fp32 elsewhere, recorded with the run."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from pipeline.core.config import ParamsError
+from pipeline.training import attention, cpu_matmul, distributed, peak
+from tests.train_fixtures import final_weights, stage_args, write_corpus, write_params
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+CTX = distributed.Dist(0, 1, 0, CPU)
+XEON = ("processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Processor\ncpu MHz\t\t: 2500.000\n"
+        "flags\t\t: fpu sse2 avx fma avx2 avx512f avx512_bf16 amx_bf16 amx_tile amx_int8\n")
+EPYC = "processor\t: 0\nmodel name\t: AMD EPYC\ncpu MHz\t\t: 2445.406\nflags\t\t: fpu sse2 avx fma avx2\n"
+BF16 = "fp32, bf16 matrix products (AMX)"
+
+
+@pytest.fixture(autouse=True)
+def fp32_after():
+    """Each test leaves the process as it found it: fp32 products, torch's default CPU attention."""
+    yield
+    cpu_matmul.use("fp32")
+    attention.use(CPU)
+
+
+def as_cpu(monkeypatch, text: str) -> None:
+    """Make /proc/cpuinfo read `text` for the choice and the peak."""
+    read = peak.cpuinfo
+    monkeypatch.setattr(peak, "cpuinfo", lambda field, t=None: read(field, text if t is None else t))
+    monkeypatch.setattr(cpu_matmul, "cpuinfo", peak.cpuinfo)
+
+
+@pytest.mark.parametrize("setting, text, device, want", [
+    ("auto", XEON, CPU, "bf16"), ("auto", EPYC, CPU, "fp32"), ("fp32", XEON, CPU, "fp32"),
+    ("bf16", XEON, CPU, "bf16"), ("auto", XEON, CUDA, "fp32"), ("bf16", EPYC, CUDA, "fp32")])
+def test_bf16_products_are_chosen_only_on_a_cpu_with_amx(setting, text, device, want):
+    assert cpu_matmul.choose(setting, device, text) == want
+
+
+def test_asking_for_bf16_on_a_cpu_without_amx_fails_naming_the_key_and_the_remedy():
+    with pytest.raises(ParamsError, match=r"train\.cpu_matmul = 'bf16'.*no AMX.*amx_bf16.*'auto' or 'fp32'"):
+        cpu_matmul.choose("bf16", CPU, EPYC)
+    with pytest.raises(ParamsError, match=r"train\.cpu_matmul = 'bf8': expected one of 'auto', 'fp32', 'bf16'"):
+        cpu_matmul.choose("bf8", CPU, XEON)
+
+
+def test_bf16_products_switch_the_torch_flag_and_the_cpu_attention_kernel_and_back(monkeypatch):
+    cpu_matmul.use("bf16")
+    assert torch.backends.mkldnn.matmul.fp32_precision == "bf16"
+    assert attention.choice(CPU) == ("math",) and "math kernel on a CPU" in attention.use(CPU)
+    monkeypatch.setenv(attention.ENV, "math")  # the same backends on CUDA are described as CUDA's
+    assert attention.describe(attention.choice(CUDA), CUDA).startswith("scaled_dot_product_attention backends math")
+    monkeypatch.delenv(attention.ENV)
+    cpu_matmul.use("fp32")
+    assert torch.backends.mkldnn.matmul.fp32_precision == "none" and attention.choice(CPU) is None
+    assert attention.use(CPU) == attention.CPU
+    with pytest.raises(ValueError, match="expected 'fp32' or 'bf16'"):
+        cpu_matmul.use("auto")
+
+
+def test_the_nominal_peak_of_bf16_products_is_the_amx_tiles_rate_and_the_paper_keeps_fp32(tmp_path, monkeypatch):
+    assert peak.nominal_cpu_peak(2, XEON, products="bf16") == pytest.approx(2 * 2500e6 * 1024)
+    assert peak.nominal_cpu_peak(2, EPYC, products="bf16") is None
+    as_cpu(monkeypatch, XEON)
+    monkeypatch.setattr(peak, "measured_peak", lambda *a: pytest.fail("measured despite a nominal figure"))
+    threads = torch.get_num_threads()
+    found = peak.peak_flops(CTX, tmp_path / "peak.json", products="bf16")
+    assert (found.flops, found.source) == (pytest.approx(threads * 2500e6 * 1024), "nominal")
+    assert found.fp32_tflops == pytest.approx(threads * 2500e6 * 64 / 1e12)  # the paper's estimate: fp32 (avx512f)
+    fp32 = peak.peak_flops(CTX, tmp_path / "peak.json")
+    assert fp32.flops == pytest.approx(threads * 2500e6 * 64)
+
+
+def train_once(root, monkeypatch, text: str, setting: str) -> tuple[dict, dict, list[str]]:
+    """The train stage on a CPU whose flags are `text`: (metrics/train.json, final weights, precisions used)."""
+    as_cpu(monkeypatch, text)
+    used, real_use = [], cpu_matmul.use
+    monkeypatch.setattr(cpu_matmul, "use", lambda choice: (used.append(choice), real_use(choice))[1])
+    write_corpus(root)
+    from stages import train
+
+    train.main(stage_args(root, write_params(root / "params.yaml", max_steps=3, cpu_matmul=setting)))
+    return json.loads((root / "metrics" / "train.json").read_text()), final_weights(root), used
+
+
+@pytest.mark.parametrize("text, want", [(XEON, BF16), (EPYC, "fp32")])
+def test_the_train_stage_records_the_precision_auto_chose_in_its_metrics_log_and_mlflow(
+        tmp_path, monkeypatch, caplog, one_thread, text, want):
+    with caplog.at_level(logging.INFO):
+        metrics, _, used = train_once(tmp_path, monkeypatch, text, "auto")
+    assert used == [{BF16: "bf16", "fp32": "fp32"}[want]]
+    assert metrics["precision"] == want and f"precision: {want}" in caplog.text
+    per_cycle = 1024 if want == BF16 else 32  # MFU against the AMX tiles' rate, or the FMA units'
+    clock = 2500e6 if want == BF16 else 2445.406e6
+    assert (metrics["peak_flops"], metrics["peak_flops_source"]) == (pytest.approx(clock * per_cycle), "nominal")
+    assert ("attention: torch's math kernel on a CPU with bf16 matrix products" in caplog.text) == (want == BF16)
+    client = MlflowClient()
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert [r.data.params.get("precision") for r in runs] == [want]
+
+
+def test_bf16_products_train_the_same_weights_twice_on_one_machine(tmp_path, monkeypatch, one_thread):
+    first = train_once(tmp_path / "a", monkeypatch, XEON, "bf16")[1]
+    cpu_matmul.use("fp32")
+    second = train_once(tmp_path / "b", monkeypatch, XEON, "bf16")[1]
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+
+
+@pytest.mark.skipif(not cpu_matmul.has_amx(), reason="needs a CPU with AMX (amx_bf16)")
+def test_on_amx_bf16_products_round_the_inputs_to_bf16_and_sum_in_fp32():
+    a = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))
+    b = torch.randn(256, 96, generator=torch.Generator().manual_seed(1))
+    exact, rounded = a.double() @ b.double(), a.bfloat16().double() @ b.bfloat16().double()
+    assert (a @ b - exact).abs().max() < 1e-3  # fp32 products
+    cpu_matmul.use("bf16")
+    product = a @ b
+    assert product.dtype == torch.float32
+    assert (product - rounded).abs().max() < 1e-4  # the bf16-rounded inputs' product, summed in fp32
+    assert (product - exact).abs().max() > 1e-2  # not the fp32 product
