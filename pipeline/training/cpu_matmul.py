@@ -21,13 +21,14 @@ params and code trains the same weights. Speed and BLEU: docs/benchmarks.md, doc
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import torch
 
-from pipeline.core.config import ParamsError
-from pipeline.training.peak import cpuinfo
+from pipeline.core.config import ParamsError, TrainConfig
+from pipeline.training.peak import AMX_BF16_FLAG as AMX_FLAG, cpuinfo
 
-SETTINGS = ("auto", "fp32", "bf16")
-AMX_FLAG = "amx_bf16"
+SETTINGS = next(f for f in fields(TrainConfig) if f.name == "cpu_matmul").metadata["choices"]  # one list: the field's
 
 
 def has_amx(text: str | None = None) -> bool:

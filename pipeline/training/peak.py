@@ -50,6 +50,7 @@ ROUNDS, SECONDS = 5, 1.0
 CACHE_NAME = "attention-is-all-you-need/peak_flops.json"
 # fp32 FLOP per cycle and core for the widest FMA unit the flags show: two pipes x lanes x 2 (multiply, add).
 FLOPS_PER_CYCLE = ((("avx512f",), 64), (("avx2", "fma"), 32), (("avx",), 16), (("sse2",), 8))
+AMX_BF16_FLAG = "amx_bf16"  # /proc/cpuinfo's flag of AMX's bf16 tiles
 AMX_BF16_FLOPS_PER_CYCLE = 1024  # per core: a 16 x 32 by 32 x 16 bf16 tile product (16,384 FLOP) every 16 cycles
 
 
@@ -138,7 +139,7 @@ def nominal_cpu_peak(threads: int, text: str | None = None, products: str = "fp3
     a CPU with amx_bf16), from /proc/cpuinfo (or `text`); None if unknown."""
     mhz, flags = cpuinfo("cpu MHz", text), set((cpuinfo("flags", text) or "").split())
     if products == "bf16":
-        per_cycle = AMX_BF16_FLOPS_PER_CYCLE if "amx_bf16" in flags else None
+        per_cycle = AMX_BF16_FLOPS_PER_CYCLE if AMX_BF16_FLAG in flags else None
     else:
         per_cycle = next((n for needs, n in FLOPS_PER_CYCLE if flags.issuperset(needs)), None)
     try:
