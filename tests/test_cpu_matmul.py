@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 
 import pytest
 import torch
@@ -68,6 +69,19 @@ def test_bf16_products_switch_the_torch_flag_and_the_cpu_attention_kernel_and_ba
     assert attention.use(CPU) == attention.CPU
     with pytest.raises(ValueError, match="expected 'fp32' or 'bf16'"):
         cpu_matmul.use("auto")
+
+
+def test_bf16_products_keep_more_compiled_kernels_than_onednns_default_unless_set_outside(monkeypatch):
+    name, capacity = cpu_matmul.PRIMITIVE_CACHE
+    monkeypatch.setenv(name, "0")  # restored after the test
+    monkeypatch.delenv(name)
+    cpu_matmul.use("fp32")
+    assert name not in os.environ
+    cpu_matmul.use("bf16")
+    assert os.environ[name] == capacity and int(capacity) > 1024
+    monkeypatch.setenv(name, "2048")
+    cpu_matmul.use("bf16")
+    assert os.environ[name] == "2048"
 
 
 def test_the_nominal_peak_of_bf16_products_is_the_amx_tiles_rate_and_the_paper_keeps_fp32(tmp_path, monkeypatch):

@@ -23,6 +23,7 @@ params and code trains the same weights. Speed and BLEU: docs/benchmarks.md, doc
 
 from __future__ import annotations
 
+import os
 from dataclasses import fields
 
 import torch
@@ -31,6 +32,11 @@ from pipeline.core.config import ParamsError, TrainConfig
 from pipeline.training.peak import AMX_BF16_FLAG as AMX_FLAG, cpuinfo
 
 SETTINGS = next(f for f in fields(TrainConfig) if f.name == "cpu_matmul").metadata["choices"]  # one list: the field's
+# oneDNN compiles a bf16 product's kernel (a primitive) per shape and keeps 1024 of them by default; the default's 217
+# batch shapes need more, and recompiling evicted ones made its training slower than fp32 (docs/benchmarks.md).
+# Read once, when oneDNN first builds a primitive in the process; a value set outside wins. Speed only: an evicted
+# primitive is rebuilt the same, so the weights do not depend on it.
+PRIMITIVE_CACHE = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "16384")
 
 
 def has_amx(text: str | None = None) -> bool:
@@ -57,6 +63,8 @@ def use(choice: str) -> None:
     is process-wide; pipeline/training/attention.py reads it)."""
     if choice not in ("fp32", "bf16"):
         raise ValueError(f"cpu_matmul.use: expected 'fp32' or 'bf16', got {choice!r}")
+    if choice == "bf16":
+        os.environ.setdefault(*PRIMITIVE_CACHE)
     torch.backends.mkldnn.matmul.fp32_precision = "bf16" if choice == "bf16" else "none"
 
 

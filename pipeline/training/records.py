@@ -84,7 +84,8 @@ def step_tokens_metrics(p: Progress) -> dict[str, float]:
 
 
 def train_metrics(p: Progress, *, stopped_by_time: bool, train_batches: int, cuda_graphs: tuple[int | None, int | None],
-                  peak: Peak, world: int, accum: int, code_hash: str, phash: str, precision: str = "fp32", max_steps: int | None = None) -> dict:
+                  peak: Peak, world: int, accum: int, code_hash: str, phash: str, precision: str = "fp32",
+                  max_steps: int | None = None) -> dict:
     """metrics/train.json: flat, the DVC record of the run. tokens_per_second and mfu are over the steps' time
     less their compiling (step_seconds - compile_seconds: Progress.train_seconds), so a compiled run's rate
     is its steady one; step_seconds is every step's time, compiling included.
