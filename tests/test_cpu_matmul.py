@@ -10,9 +10,9 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from pipeline.core.config import ParamsError, TrainConfig
+from pipeline.core.config import ParamsError
 from pipeline.training import attention, cpu_matmul, distributed, peak
-from tests.train_fixtures import TRAIN, final_weights, stage_args, write_corpus, write_params
+from tests.train_fixtures import final_weights, stage_args, write_corpus, write_params
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 CTX = distributed.Dist(0, 1, 0, CPU)
@@ -42,12 +42,6 @@ def as_cpu(monkeypatch, text: str) -> None:
     ("bf16", XEON, CPU, "bf16"), ("auto", XEON, CUDA, "fp32"), ("bf16", EPYC, CUDA, "fp32")])
 def test_bf16_products_are_chosen_only_on_a_cpu_with_amx(setting, text, device, want):
     assert cpu_matmul.choose(setting, device, text) == want
-
-
-@pytest.mark.parametrize("choice, bf16_steps, want", [("bf16", 4900, 4900), ("fp32", 4900, 3500), ("bf16", 0, 3500)])
-def test_the_step_budget_is_max_steps_bf16_only_under_bf16_products_and_only_when_set(choice, bf16_steps, want):
-    cfg = TrainConfig(**{**TRAIN, "max_steps": 3500, "max_steps_bf16": bf16_steps})
-    assert cpu_matmul.step_budget(cfg, choice) == want
 
 
 def test_asking_for_bf16_on_a_cpu_without_amx_fails_naming_the_key_and_the_remedy():
@@ -97,7 +91,7 @@ def test_the_nominal_peak_of_bf16_products_is_the_amx_tiles_rate_and_the_paper_k
     assert fp32.flops == pytest.approx(threads * 2500e6 * 64)
 
 
-def train_once(root, monkeypatch, text: str, setting: str, **train_params) -> tuple[dict, dict, list[str]]:
+def train_once(root, monkeypatch, text: str, setting: str) -> tuple[dict, dict, list[str]]:
     """The train stage on a CPU whose flags are `text`: (metrics/train.json, final weights, precisions used)."""
     as_cpu(monkeypatch, text)
     used, real_use = [], cpu_matmul.use
@@ -105,21 +99,17 @@ def train_once(root, monkeypatch, text: str, setting: str, **train_params) -> tu
     write_corpus(root)
     from stages import train
 
-    train.main(stage_args(root, write_params(root / "params.yaml", **{"max_steps": 3, "cpu_matmul": setting,
-                                                                          **train_params})))
+    train.main(stage_args(root, write_params(root / "params.yaml", max_steps=3, cpu_matmul=setting)))
     return json.loads((root / "metrics" / "train.json").read_text()), final_weights(root), used
 
 
 @pytest.mark.parametrize("text, want", [(XEON, BF16), (EPYC, "fp32")])
-def test_the_train_stage_records_the_precision_and_step_budget_auto_chose_in_its_metrics_log_and_mlflow(
+def test_the_train_stage_records_the_precision_auto_chose_in_its_metrics_log_and_mlflow(
         tmp_path, monkeypatch, caplog, one_thread, text, want):
     with caplog.at_level(logging.INFO):
-        metrics, _, used = train_once(tmp_path, monkeypatch, text, "auto", max_steps_bf16=4)
+        metrics, _, used = train_once(tmp_path, monkeypatch, text, "auto")
     assert used == [{BF16: "bf16", "fp32": "fp32"}[want]]
     assert metrics["precision"] == want and f"precision: {want}" in caplog.text
-    budget = 4 if want == BF16 else 3  # train.max_steps_bf16 only where the products run in bf16
-    assert metrics["steps"] == metrics["max_steps"] == budget and metrics["stopped_by"] == "max_steps"
-    assert ("budget: 4 steps (train.max_steps_bf16" in caplog.text) == (want == BF16)
     per_cycle = 1024 if want == BF16 else 32  # MFU against the AMX tiles' rate, or the FMA units'
     clock = 2500e6 if want == BF16 else 2445.406e6
     assert (metrics["peak_flops"], metrics["peak_flops_source"]) == (pytest.approx(clock * per_cycle), "nominal")

@@ -170,9 +170,6 @@ class TrainConfig:
     # a CPU's matrix products: fp32 (the paper's), bf16 on AMX tiles with fp32 weights and sums, or auto (bf16 where
     # the CPU has AMX, else fp32); GPUs ignore it (pipeline/training/cpu_matmul.py)
     cpu_matmul: str = field(default="fp32", metadata={"choices": ("auto", "fp32", "bf16")})
-    # the step budget when a CPU's products run in bf16 (cpu_matmul resolves to bf16): the steps a faster step buys
-    # in max_steps' time; 0 = max_steps (cpu_matmul.step_budget)
-    max_steps_bf16: int = field(default=0, metadata={"range": "[0, inf)"})
 
 
 @dataclass(frozen=True)

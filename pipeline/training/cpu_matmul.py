@@ -12,8 +12,6 @@
   auto  bf16 on a CPU with AMX, fp32 on any other; a GPU ignores the setting
         (it trains under autocast: distributed.mixed_precision).
 
-    budget = cpu_matmul.step_budget(train_cfg, choice)         # train.max_steps_bf16 under bf16, if set
-
 Under bf16 a CPU's attention runs torch's math kernel (pipeline/training/attention.py):
 with bf16 products torch's flash kernel for CPUs is slower than the math one, and
 slower than fp32 products (bench.cpu_matmul). The choice depends on the CPU and is
@@ -71,9 +69,3 @@ def use(choice: str) -> None:
 def describe(choice: str) -> str:
     """The `precision` of metrics/train.json and MLflow for a CPU run."""
     return "fp32, bf16 matrix products (AMX)" if choice == "bf16" else "fp32"
-
-
-def step_budget(cfg: TrainConfig, choice: str) -> int:
-    """The steps a run trains to: train.max_steps_bf16 where the products run in bf16 (`choice`) and it is set,
-    else train.max_steps. The same machine, params and code give the same budget (recorded as max_steps)."""
-    return cfg.max_steps_bf16 if choice == "bf16" and cfg.max_steps_bf16 else cfg.max_steps

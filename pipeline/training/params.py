@@ -23,8 +23,8 @@ from pipeline.weights import checkpoint as ckpt
 # compile: the same function of the same weights, rounded otherwise (as on another GPU); a run that falls
 # back to eager (compiled.py) must resume its own checkpoints, and switching it should not cost the run.
 # micro_batch_tokens: how a process cuts its share into micro-batches; the gradient is summed over them all the same.
-NOT_WEIGHT_SHAPING = ("max_steps", "max_steps_bf16", "max_minutes", "eval_every", "log_every", "checkpoint_every",
-                      "keep_checkpoints", "devices", "timeout_minutes", "compile", "cuda_graphs", "micro_batch_tokens")
+NOT_WEIGHT_SHAPING = ("max_steps", "max_minutes", "eval_every", "log_every", "checkpoint_every", "keep_checkpoints",
+                      "devices", "timeout_minutes", "compile", "cuda_graphs", "micro_batch_tokens")
 
 
 def params_hash(model_cfg: ModelConfig, train_cfg: TrainConfig, batch: BatchConfig, tokenized: Path,

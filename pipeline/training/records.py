@@ -84,8 +84,7 @@ def step_tokens_metrics(p: Progress) -> dict[str, float]:
 
 
 def train_metrics(p: Progress, *, stopped_by_time: bool, train_batches: int, cuda_graphs: tuple[int | None, int | None],
-                  peak: Peak, world: int, accum: int, code_hash: str, phash: str, precision: str = "fp32",
-                  max_steps: int | None = None) -> dict:
+                  peak: Peak, world: int, accum: int, code_hash: str, phash: str, precision: str = "fp32") -> dict:
     """metrics/train.json: flat, the DVC record of the run. tokens_per_second and mfu are over the steps' time
     less their compiling (step_seconds - compile_seconds: Progress.train_seconds), so a compiled run's rate
     is its steady one; step_seconds is every step's time, compiling included.
@@ -94,7 +93,6 @@ def train_metrics(p: Progress, *, stopped_by_time: bool, train_batches: int, cud
     hours = p.elapsed_seconds / 3600
     return {
         "steps": p.step,
-        "max_steps": max_steps,  # the budget: train.max_steps, or max_steps_bf16 under bf16 products (cpu_matmul.py)
         "stopped_by": "max_minutes" if stopped_by_time else "max_steps",
         "epochs": p.epoch + p.cursor / max(train_batches, 1),
         "train_tokens": p.train_tokens,  # real target tokens trained on

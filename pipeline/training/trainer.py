@@ -14,8 +14,8 @@ is that of one big batch.
 The real source and target tokens of every step are counted (metrics/train.json:
 {src,tgt}_tokens_per_step_{mean,min,max}; Sec. 5.1 asks for ~25000 of each).
 
-Stops at train.max_steps (train.max_steps_bf16 where a CPU's products run in bf16): the budget, so the same params
-give the same weights on any machine of a kind. train.max_minutes (across resumes) is only a safety
+Stops at train.max_steps: the budget, so the same params give the same
+weights on any machine. train.max_minutes (across resumes) is only a safety
 stop: rank 0's clock decides for every rank, and metrics/train.json records
 stopped_by = "max_minutes" when it fired (else "max_steps").
 Checkpoints every checkpoint_every steps and at the end, never by the clock, so
@@ -95,9 +95,6 @@ class Trainer(RunCheckpoints):
         # CPUs: fp32, or bf16 matrix products on AMX (train.cpu_matmul), for this process and its attention kernels.
         self.products = cpu_matmul.choose(cfg.cpu_matmul, ctx.device)
         cpu_matmul.use(self.products)
-        self.max_steps = cpu_matmul.step_budget(cfg, self.products)
-        if self.max_steps != cfg.max_steps:
-            log.info("budget: %d steps (train.max_steps_bf16: the matrix products run in bf16)", self.max_steps)
         self.precision = distributed.precision(ctx, cpu_matmul.describe(self.products))
         self.autocast, self.scaler = distributed.mixed_precision(ctx, self.precision)
         torch.manual_seed(cfg.seed + ctx.rank)  # dropout masks differ between ranks
@@ -220,11 +217,11 @@ class Trainer(RunCheckpoints):
         p, cfg = self.progress, self.cfg
         out_of_time = cfg.max_minutes > 0 and p.elapsed_seconds >= cfg.max_minutes * 60
         due = cfg.checkpoint_every > 0 and p.step % cfg.checkpoint_every == 0
-        done, out_of_time, due = distributed.broadcast_flags([p.step >= self.max_steps, out_of_time, due], self.ctx)
+        done, out_of_time, due = distributed.broadcast_flags([p.step >= cfg.max_steps, out_of_time, due], self.ctx)
         if out_of_time and not done:
             if not self.stopped_by_time:
                 log.warning("step %d: train.max_minutes = %g reached before train.max_steps = %d; stopping (safety stop: "
-                            "this run's result depends on the machine's speed)", p.step, cfg.max_minutes, self.max_steps)
+                            "this run's result depends on the machine's speed)", p.step, cfg.max_minutes, cfg.max_steps)
             self.stopped_by_time = True
         return done or out_of_time, due
 
@@ -246,7 +243,7 @@ class Trainer(RunCheckpoints):
         interval = torch.zeros(2, dtype=torch.float64, device=ctx.device)  # loss sum, tokens since the last row
         interval_seconds, interval_tokens, saved_at = 0.0, 0, p.step
         start = time.monotonic() - p.elapsed_seconds
-        bar = self.bar = progress_bar(total=self.max_steps, initial=p.step, disable=not ctx.is_main, unit="step", dynamic_ncols=True)
+        bar = self.bar = progress_bar(total=cfg.max_steps, initial=p.step, disable=not ctx.is_main, unit="step", dynamic_ncols=True)
         stop, _ = self.decide()
         while not stop:
             t0 = time.perf_counter()
@@ -294,5 +291,4 @@ class Trainer(RunCheckpoints):
         return records.train_metrics(
             self.progress, stopped_by_time=self.stopped_by_time, train_batches=len(self.data.train_batches),
             cuda_graphs=graphs.totals(self.ctx.device) if self.cfg.cuda_graphs else (None, None), peak=self.peak,
-            world=self.ctx.world, accum=self.accum, code_hash=self.code_hash, phash=self.phash, precision=self.precision,
-            max_steps=self.max_steps)
+            world=self.ctx.world, accum=self.accum, code_hash=self.code_hash, phash=self.phash, precision=self.precision)
