@@ -1,34 +1,52 @@
 """A CPU's matrix products in training: fp32 against bf16 on AMX tiles (train.cpu_matmul), in the default's step.
 
-    python -m bench.cpu_matmul [--steps 12] [--rounds 3] [--threads 2]
+    python -m bench.cpu_matmul [--steps 24] [--rounds 3] [--threads 2] [--batches data/batches]
 
-The default's training step as bench.train_throughput times it (pipeline.training.optimizer.train_step on
-synthetic 1250-token batches shaped like Multi30k's, the default's model), one model per way, alternating
-rounds in one process so that load from other programs hits every way alike:
+The default's training step as bench.train_throughput times it (pipeline.training.optimizer.train_step, the
+default's model) on synthetic 1250-token batches shaped like Multi30k's with the default's vocabulary, or with
+--batches on the batch stage's train batches (of `make run`, say), each way in a process of its own (a process
+that has run bf16 products runs fp32 ones slower), the processes taking turns round by round so that load from
+other programs hits every way alike:
   fp32         torch's default: fp32 products, its flash attention kernel for CPUs;
   bf16         what train.cpu_matmul = auto trains with on a CPU with AMX: bf16 products
                (pipeline/training/cpu_matmul.py) and torch's math attention kernel
                (pipeline/training/attention.py);
   bf16, flash  bf16 products with the flash kernel: why attention changes with them.
-Prints target tokens/s (best and median round) and each way's speed over fp32. Targets: bf16 >= 1.3x fp32,
-and faster than bf16 with the flash kernel. On a CPU without AMX only fp32 runs: bf16 does not apply.
+A run's batches come in many shapes (the default's: `num_shapes` in metrics/batch.json), and bf16 products are
+faster on a few shapes met again and again than over all of a run's: oneDNN compiles a kernel the first time it
+meets a shape and keeps it, and the more kernels a run keeps, the slower each step. So the bench times the
+steps as a run meets them, over every shape of its batches:
+  first  one step of each distinct shape, each met for the first time (as in a run's first epoch; the bf16,
+         flash way meets the bf16 way's product kernels again, so its figure is a warm one);
+  later  each round, `--steps` steps of batches in a seeded epoch order (all shapes met before).
+A run of the default's train.max_steps meets each shape first once and runs its other steps later: `run`
+blends the seconds a target token of the two in that proportion. Prints target tokens/s (later: median of
+the rounds) and each way's `run` speed over fp32's. Targets: bf16 >= 1.3x fp32 in a run, and faster than
+bf16 with the flash kernel. On a CPU without AMX only fp32 runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import multiprocessing
 import statistics
 import time
+from pathlib import Path
 
+import numpy as np
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from bench.train_throughput import VOCAB, default_configs, our_step, synthetic_batches
+from bench.train_throughput import default_configs, our_step, synthetic_corpus
 from model.transformer import Transformer
+from pipeline.core import config
+from pipeline.corpus.batching import make_batches
 from pipeline.training import attention, cpu_matmul, distributed
+from pipeline.training.loader import Batch, TrainingData, collate
 
 CPU = torch.device("cpu")
+MAX_TOKENS = 1250  # the default's batch.max_tokens
 
 
 @contextlib.contextmanager
@@ -44,45 +62,106 @@ def way(products: str, flash: bool = False):
         attention.use(CPU)
 
 
+def shape(b: Batch) -> tuple[int, ...]:
+    return (*b.src.shape, b.tgt_in.shape[1])
+
+
+def stream(vocab: int, stored: tuple[Path, Path] | None = None, seed: int = 0) -> tuple[int, list[Batch], list[Batch]]:
+    """(vocabulary, one batch of each distinct shape, an epoch's batches in a seeded order): the synthetic corpus's
+    1250-token batches with `vocab`, or the train batches `stored` by the tokenize and batch stages."""
+    if stored is None:
+        src, tgt = synthetic_corpus(29000, vocab=vocab)
+        batches = make_batches(src.lengths + 1, tgt.lengths + 1, MAX_TOKENS, seed=1)
+        order = np.random.default_rng(seed).permutation(len(batches))
+        epoch = [collate(src, tgt, batches[i], CPU) for i in order]
+    else:
+        data = TrainingData.load(*stored)
+        vocab, order = data.vocab_size, np.random.default_rng(seed).permutation(len(data.train_batches))
+        epoch = [data.collate_train(data.train_batches[i], CPU) for i in order]
+    first: dict[tuple[int, ...], Batch] = {}
+    for b in epoch:
+        first.setdefault(shape(b), b)
+    return vocab, list(first.values()), epoch
+
+
+def seconds_a_token(step, batches: list[Batch]) -> float:
+    start = time.perf_counter()
+    for b in batches:
+        step(b)
+    return (time.perf_counter() - start) / sum(b.tokens for b in batches)
+
+
+def worker(conn, products: str, flash: bool, threads: int, vocab: int, stored: tuple[Path, Path] | None) -> None:
+    """One way in a process of its own: answers each (start, stop) slice of the epoch (None: one batch of each
+    shape) with the seconds a target token of those steps, until it receives None."""
+    torch.set_num_threads(threads)
+    cfg, train_cfg = default_configs()
+    _, distinct, epoch = stream(vocab, stored)
+    torch.manual_seed(0)
+    step = our_step(Transformer(cfg, vocab), train_cfg)
+    with way(products, flash):
+        conn.send("ready")
+        while (job := conn.recv()) != "stop":
+            conn.send(seconds_a_token(step, distinct if job is None else epoch[slice(*job)]))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=12, help="timed steps per round and way")
+    parser.add_argument("--steps", type=int, default=24, help="timed later steps per round and way")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=distributed.available_cores())
+    parser.add_argument("--batches", type=Path, help="time the batch stage's train batches (e.g. data/batches) "
+                        "instead of synthetic ones")
+    parser.add_argument("--tokenized", type=Path, default=Path("data/tokenized"), help="their tokenized corpus")
     args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    cfg, train_cfg = default_configs()
+    _, train_cfg = default_configs()
     amx = cpu_matmul.has_amx()
     ways = {"fp32": ("fp32", False)}
     if amx:
         ways |= {"bf16": ("bf16", False), "bf16, flash": ("bf16", True)}
-    print(f"{torch.get_num_threads()} threads; AMX (amx_bf16): {'yes' if amx else 'no: bf16 does not apply here'}; "
+    print(f"{args.threads} threads; AMX (amx_bf16): {'yes' if amx else 'no: bf16 does not apply here'}; "
           f"train.cpu_matmul of the default: {train_cfg.cpu_matmul}")
-    _, _, _, _, data = synthetic_batches(1250, args.steps + 1)
-    warmup, timed = data[0], data[1:]
-    tokens = sum(b.tokens for b in timed)
-    steps = {}
+    stored = (args.tokenized, args.batches) if args.batches else None
+    vocab, distinct, epoch = stream(int(config.compose([])["tokenize"]["vocab_size"]), stored)
+    print(f"batches: {'the train batches in ' + str(args.batches) if stored else 'synthetic'}, vocabulary {vocab}")
+    if args.rounds * args.steps > len(epoch):
+        raise SystemExit(f"bench.cpu_matmul: {args.rounds} rounds x {args.steps} steps is more than the "
+                         f"{len(epoch)} batches of an epoch: lower --steps or --rounds")
+    first_share = min(1.0, len(distinct) / train_cfg.max_steps)
+    spawn = multiprocessing.get_context("spawn")
+    conns, procs = {}, []
     for name, (products, flash) in ways.items():
-        torch.manual_seed(0)
-        steps[name] = our_step(Transformer(cfg, VOCAB), train_cfg)
-        with way(products, flash):
-            steps[name](warmup)
-    seconds: dict[str, list[float]] = {name: [] for name in ways}
-    for r in range(args.rounds):
-        for name, (products, flash) in ways.items():
-            with way(products, flash):
-                start = time.perf_counter()
-                for b in timed:
-                    steps[name](b)
-                seconds[name].append(time.perf_counter() - start)
-            print(f"  round {r + 1} {name:12s} {tokens / seconds[name][-1]:8.0f} tok/s")
-    print(f"{'':12s} {'tok/s (best)':>13s} {'tok/s (median)':>15s} {'x fp32 (best)':>14s}")
-    for name, times in seconds.items():
-        print(f"{name:12s} {tokens / min(times):13.0f} {tokens / statistics.median(times):15.0f} "
-              f"{min(seconds['fp32']) / min(times):13.2f}x")
+        conns[name], child = spawn.Pipe()
+        procs.append(spawn.Process(target=worker, args=(child, products, flash, args.threads, vocab, stored)))
+        procs[-1].start()
+    try:
+        for conn in conns.values():
+            conn.recv()  # built: the ways take turns from here on
+        first, later = {}, {name: [] for name in ways}
+        for name, conn in conns.items():
+            conn.send(None)
+            first[name] = conn.recv()
+            print(f"  {name:12s} first meeting of {len(distinct)} shapes: {1 / first[name]:6.0f} tok/s")
+        for r in range(args.rounds):
+            for name, conn in conns.items():
+                conn.send((r * args.steps, (r + 1) * args.steps))
+                later[name].append(conn.recv())
+                print(f"  round {r + 1} {name:12s} {1 / later[name][-1]:6.0f} tok/s")
+    finally:
+        for conn in conns.values():
+            conn.send("stop")
+        for proc in procs:
+            proc.join()
+    run = {name: first_share * first[name] + (1 - first_share) * statistics.median(later[name]) for name in ways}
+    print(f"{len(distinct)} distinct shapes in {train_cfg.max_steps} steps: {first_share:.1%} of a run's steps meet a "
+          "shape for the first time")
+    print(f"{'':12s} {'first tok/s':>12s} {'later tok/s':>12s} {'run tok/s':>10s} {'x fp32 (run)':>13s}")
+    for name in ways:
+        print(f"{name:12s} {1 / first[name]:12.0f} {1 / statistics.median(later[name]):12.0f} {1 / run[name]:10.0f} "
+              f"{run['fp32'] / run[name]:12.2f}x")
     if amx:
-        print(f"bf16 products: {min(seconds['fp32']) / min(seconds['bf16']):.2f}x fp32 (target >= 1.3x), "
-              f"{min(seconds['bf16, flash']) / min(seconds['bf16']):.2f}x bf16 with the flash kernel (target > 1x)")
+        print(f"bf16 products: {run['fp32'] / run['bf16']:.2f}x fp32 in a run (target >= 1.3x), "
+              f"{run['bf16, flash'] / run['bf16']:.2f}x bf16 with the flash kernel (target > 1x)")
 
 
 if __name__ == "__main__":
