@@ -14,10 +14,9 @@ other programs hits every way alike:
   bf16, flash  bf16 products with the flash kernel: why attention changes with them.
 A run's batches come in many shapes (the default's: `num_shapes` in metrics/batch.json), and bf16 products are
 faster on a few shapes met again and again than over all of a run's: oneDNN compiles a kernel the first time it
-meets a shape and keeps it, and the more kernels a run keeps, the slower each step. So the bench times the
+meets a shape and keeps it, and a step is a little slower the more kernels a run keeps. So the bench times the
 steps as a run meets them, over every shape of its batches:
-  first  one step of each distinct shape, each met for the first time (as in a run's first epoch; the bf16,
-         flash way meets the bf16 way's product kernels again, so its figure is a warm one);
+  first  one step of each distinct shape, each met for the first time (as in a run's first epoch);
   later  each round, `--steps` steps of batches in a seeded epoch order (all shapes met before).
 A run of the default's train.max_steps meets each shape first once and runs its other steps later: `run`
 blends the seconds a target token of the two in that proportion. Prints target tokens/s (later: median of
