@@ -40,6 +40,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from bench.train_throughput import default_configs, our_step, synthetic_corpus
 from model.transformer import Transformer
 from pipeline.core import config
+from pipeline.core.errors import PipelineError
 from pipeline.corpus.batching import make_batches
 from pipeline.training import attention, cpu_matmul, distributed
 from pipeline.training.loader import Batch, TrainingData, collate
@@ -92,7 +93,7 @@ def seconds_a_token(step, batches: list[Batch]) -> float:
 
 def worker(conn, products: str, flash: bool, threads: int, vocab: int, stored: tuple[Path, Path] | None) -> None:
     """One way in a process of its own: answers each (start, stop) slice of the epoch (None: one batch of each
-    shape) with the seconds a target token of those steps, until it receives None."""
+    shape) with the seconds a target token of those steps, until it receives "stop"."""
     torch.set_num_threads(threads)
     cfg, train_cfg = default_configs()
     _, distinct, epoch = stream(vocab, stored)
@@ -121,7 +122,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{args.threads} threads; AMX (amx_bf16): {'yes' if amx else 'no: bf16 does not apply here'}; "
           f"train.cpu_matmul of the default: {train_cfg.cpu_matmul}")
     stored = (args.tokenized, args.batches) if args.batches else None
-    vocab, distinct, epoch = stream(int(config.compose([])["tokenize"]["vocab_size"]), stored)
+    try:
+        vocab, distinct, epoch = stream(int(config.compose([])["tokenize"]["vocab_size"]), stored)
+    except PipelineError as e:  # stored batches missing or unreadable: one line
+        raise SystemExit(f"bench.cpu_matmul: {e}") from None
     print(f"batches: {'the train batches in ' + str(args.batches) if stored else 'synthetic'}, vocabulary {vocab}")
     if args.rounds * args.steps > len(epoch):
         raise SystemExit(f"bench.cpu_matmul: {args.rounds} rounds x {args.steps} steps is more than the "
@@ -148,7 +152,8 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"  round {r + 1} {name:12s} {1 / later[name][-1]:6.0f} tok/s")
     finally:
         for conn in conns.values():
-            conn.send("stop")
+            with contextlib.suppress(OSError):  # a way that failed has said why and gone
+                conn.send("stop")
         for proc in procs:
             proc.join()
     run = {name: first_share * first[name] + (1 - first_share) * statistics.median(later[name]) for name in ways}
