@@ -3,10 +3,10 @@
     python -m bench.cpu_matmul [--steps 24] [--rounds 3] [--threads 2] [--batches data/batches]
 
 The default's training step as bench.train_throughput times it (pipeline.training.optimizer.train_step, the
-default's model) on synthetic 1250-token batches shaped like Multi30k's with the default's vocabulary, or with
---batches on the batch stage's train batches (of `make run`, say), each way in a process of its own (a process
-that has run bf16 products runs fp32 ones slower), the processes taking turns round by round so that load from
-other programs hits every way alike:
+default's model) on synthetic batches shaped like Multi30k's, with the default's vocabulary and
+batch.max_tokens, or with --batches on the batch stage's train batches (of `make run`, say), each way in a
+process of its own (a process that has run bf16 products runs fp32 ones slower), the processes taking turns
+round by round so that load from other programs hits every way alike:
   fp32         torch's default: fp32 products, its flash attention kernel for CPUs;
   bf16         what train.cpu_matmul = auto trains with on a CPU with AMX: bf16 products
                (pipeline/training/cpu_matmul.py) and torch's math attention kernel
@@ -46,7 +46,6 @@ from pipeline.training import attention, cpu_matmul, distributed
 from pipeline.training.loader import Batch, TrainingData, collate
 
 CPU = torch.device("cpu")
-MAX_TOKENS = 1250  # the default's batch.max_tokens
 
 
 @contextlib.contextmanager
@@ -66,12 +65,13 @@ def shape(b: Batch) -> tuple[int, ...]:
     return (*b.src.shape, b.tgt_in.shape[1])
 
 
-def stream(vocab: int, stored: tuple[Path, Path] | None = None, seed: int = 0) -> tuple[int, list[Batch], list[Batch]]:
+def stream(vocab: int, max_tokens: int, stored: tuple[Path, Path] | None = None,
+           seed: int = 0) -> tuple[int, list[Batch], list[Batch]]:
     """(vocabulary, one batch of each distinct shape, an epoch's batches in a seeded order): the synthetic corpus's
-    1250-token batches with `vocab`, or the train batches `stored` by the tokenize and batch stages."""
+    batches of `max_tokens` with `vocab`, or the train batches `stored` by the tokenize and batch stages."""
     if stored is None:
         src, tgt = synthetic_corpus(29000, vocab=vocab)
-        batches = make_batches(src.lengths + 1, tgt.lengths + 1, MAX_TOKENS, seed=1)
+        batches = make_batches(src.lengths + 1, tgt.lengths + 1, max_tokens, seed=1)
         order = np.random.default_rng(seed).permutation(len(batches))
         epoch = [collate(src, tgt, batches[i], CPU) for i in order]
     else:
@@ -91,12 +91,13 @@ def seconds_a_token(step, batches: list[Batch]) -> float:
     return (time.perf_counter() - start) / sum(b.tokens for b in batches)
 
 
-def worker(conn, products: str, flash: bool, threads: int, vocab: int, stored: tuple[Path, Path] | None) -> None:
+def worker(conn, products: str, flash: bool, threads: int, vocab: int, max_tokens: int,
+           stored: tuple[Path, Path] | None) -> None:
     """One way in a process of its own: answers each (start, stop) slice of the epoch (None: one batch of each
     shape) with the seconds a target token of those steps, until it receives "stop"."""
     torch.set_num_threads(threads)
     cfg, train_cfg = default_configs()
-    _, distinct, epoch = stream(vocab, stored)
+    _, distinct, epoch = stream(vocab, max_tokens, stored)
     torch.manual_seed(0)
     step = our_step(Transformer(cfg, vocab), train_cfg)
     with way(products, flash):
@@ -123,7 +124,9 @@ def main(argv: list[str] | None = None) -> None:
           f"train.cpu_matmul of the default: {train_cfg.cpu_matmul}")
     stored = (args.tokenized, args.batches) if args.batches else None
     try:
-        vocab, distinct, epoch = stream(int(config.compose([])["tokenize"]["vocab_size"]), stored)
+        default = config.compose([])  # its vocabulary (the output projection's share) and batch size
+        max_tokens = int(default["batch"]["max_tokens"])
+        vocab, distinct, epoch = stream(int(default["tokenize"]["vocab_size"]), max_tokens, stored)
     except PipelineError as e:  # stored batches missing or unreadable: one line
         raise SystemExit(f"bench.cpu_matmul: {e}") from None
     print(f"batches: {'the train batches in ' + str(args.batches) if stored else 'synthetic'}, vocabulary {vocab}")
@@ -135,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     conns, procs = {}, []
     for name, (products, flash) in ways.items():
         conns[name], child = spawn.Pipe()
-        procs.append(spawn.Process(target=worker, args=(child, products, flash, args.threads, vocab, stored)))
+        procs.append(spawn.Process(target=worker, args=(child, products, flash, args.threads, vocab, max_tokens, stored)))
         procs[-1].start()
     try:
         for conn in conns.values():

@@ -143,13 +143,14 @@ def test_the_matmul_bench_times_every_stored_batch_and_meets_each_shape_first_on
     from bench import cpu_matmul as bench
     from pipeline.corpus.formats import load_batches
     tokenized, batches = write_corpus(tmp_path, n_train=60, max_len=9, max_tokens=30)
-    vocab, distinct, epoch = bench.stream(5000, (tokenized, batches))
+    vocab, distinct, epoch = bench.stream(5000, 1250, (tokenized, batches))
     stored = load_batches(batches, "train")
     assert vocab == json.loads((tokenized / "meta.json").read_text())["vocab_size"]  # the corpus's, not the default's
     assert len(epoch) == len(stored) and sum(len(b.src) for b in epoch) == 60  # every pair once
     shapes = [bench.shape(b) for b in epoch]
     assert [bench.shape(b) for b in distinct] == list(dict.fromkeys(shapes))  # each shape once, as an epoch meets it
     assert 1 < len(distinct) < len(epoch)
-    again, other = bench.stream(5000, (tokenized, batches))[2], bench.stream(5000, (tokenized, batches), seed=1)[2]
+    again = bench.stream(5000, 1250, (tokenized, batches))[2]
+    other = bench.stream(5000, 1250, (tokenized, batches), seed=1)[2]
     assert [b.src.tolist() for b in again] == [b.src.tolist() for b in epoch]  # a seeded order
     assert [b.src.tolist() for b in other] != [b.src.tolist() for b in epoch]
