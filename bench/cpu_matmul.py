@@ -1,27 +1,29 @@
-"""A CPU's matrix products in training: fp32 against bf16 on AMX tiles (train.cpu_matmul), in the default's step.
+"""A CPU's matrix products in training: torch's BLAS against oneDNN's fp32 or bf16 (train.cpu_matmul), in the
+default's step.
 
     python -m bench.cpu_matmul [--steps 24] [--rounds 3] [--threads 2] [--batches data/batches]
 
 The default's training step as bench.train_throughput times it (pipeline.training.optimizer.train_step, the
 default's model) on synthetic batches shaped like Multi30k's, with the default's vocabulary and
 batch.max_tokens, or with --batches on the batch stage's train batches (of `make run`, say), each way in a
-process of its own (a process that has run bf16 products runs fp32 ones slower), the processes taking turns
-round by round so that load from other programs hits every way alike:
-  fp32         torch's default: fp32 products, its flash attention kernel for CPUs;
-  bf16         what train.cpu_matmul = auto trains with on a CPU with AMX: bf16 products
-               (pipeline/training/cpu_matmul.py) and torch's math attention kernel
-               (pipeline/training/attention.py);
-  bf16, flash  bf16 products with the flash kernel: why attention changes with them.
-A run's batches come in many shapes (the default's: `num_shapes` in metrics/batch.json), and bf16 products are
-faster on a few shapes met again and again than over all of a run's: oneDNN compiles a kernel the first time it
-meets a shape and keeps it, and a step is a little slower the more kernels a run keeps. So the bench times the
-steps as a run meets them, over every shape of its batches:
+process of its own (a process that has run oneDNN's products runs torch's BLAS slower), the processes taking
+turns round by round so that load from other programs hits every way alike:
+  fp32          torch's default: fp32 products by its BLAS (MKL), its flash attention kernel for CPUs;
+  onednn        on a CPU with AVX-512 and without AMX, what train.cpu_matmul = fp32 trains with: fp32
+                products by oneDNN (pipeline/training/cpu_matmul.py) and torch's math attention kernel
+                (pipeline/training/attention.py);
+  bf16          on a CPU with AMX, what train.cpu_matmul = auto trains with: bf16 products and the math kernel;
+  WAY, flash    the same products with the flash kernel: why attention changes with them.
+A run's batches come in many shapes (the default's: `num_shapes` in metrics/batch.json), and oneDNN's products
+are faster on a few shapes met again and again than over all of a run's: oneDNN compiles a kernel the first
+time it meets a shape and keeps it, and a step is a little slower the more kernels a run keeps. So the bench
+times the steps as a run meets them, over every shape of its batches:
   first  one step of each distinct shape, each met for the first time (as in a run's first epoch);
   later  each round, `--steps` steps of batches in a seeded epoch order (all shapes met before).
 A run of the default's train.max_steps meets each shape first once and runs its other steps later: `run`
 blends the seconds a target token of the two in that proportion. Prints target tokens/s (later: median of
-the rounds) and each way's `run` speed over fp32's. Targets: bf16 >= 1.3x fp32 in a run, and faster than
-bf16 with the flash kernel. On a CPU without AMX only fp32 runs.
+the rounds) and each way's `run` speed over fp32's. Targets: bf16 >= 1.3x fp32 in a run, onednn > 1x, and
+each faster than with the flash kernel. On a CPU with neither AMX nor AVX-512 only fp32 runs.
 """
 
 from __future__ import annotations
@@ -116,12 +118,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokenized", type=Path, default=Path("data/tokenized"), help="their tokenized corpus")
     args = parser.parse_args(argv)
     _, train_cfg = default_configs()
-    amx = cpu_matmul.has_amx()
+    other = cpu_matmul.choose("auto", CPU)  # bf16 on AMX, oneDNN's fp32 on AVX-512 without it, else torch's BLAS
     ways = {"fp32": ("fp32", False)}
-    if amx:
-        ways |= {"bf16": ("bf16", False), "bf16, flash": ("bf16", True)}
-    print(f"{args.threads} threads; AMX (amx_bf16): {'yes' if amx else 'no: bf16 does not apply here'}; "
-          f"train.cpu_matmul of the default: {train_cfg.cpu_matmul}")
+    if other != "fp32":
+        ways |= {other: (other, False), f"{other}, flash": (other, True)}
+    print(f"{args.threads} threads; against torch's BLAS: {cpu_matmul.describe(other) if other != 'fp32' else 'none'}"
+          f" (AMX: {'yes' if cpu_matmul.has_amx() else 'no'}, AVX-512: {'yes' if cpu_matmul.has_avx512() else 'no'});"
+          f" train.cpu_matmul of the default: {train_cfg.cpu_matmul}")
     stored = (args.tokenized, args.batches) if args.batches else None
     try:
         default = config.compose([])  # its vocabulary (the output projection's share) and batch size
@@ -147,12 +150,12 @@ def main(argv: list[str] | None = None) -> None:
         for name, conn in conns.items():
             conn.send(None)
             first[name] = conn.recv()
-            print(f"  {name:12s} first meeting of {len(distinct)} shapes: {1 / first[name]:6.0f} tok/s")
+            print(f"  {name:14s} first meeting of {len(distinct)} shapes: {1 / first[name]:6.0f} tok/s")
         for r in range(args.rounds):
             for name, conn in conns.items():
                 conn.send((r * args.steps, (r + 1) * args.steps))
                 later[name].append(conn.recv())
-                print(f"  round {r + 1} {name:12s} {1 / later[name][-1]:6.0f} tok/s")
+                print(f"  round {r + 1} {name:14s} {1 / later[name][-1]:6.0f} tok/s")
     finally:
         for conn in conns.values():
             with contextlib.suppress(OSError):  # a way that failed has said why and gone
@@ -162,13 +165,14 @@ def main(argv: list[str] | None = None) -> None:
     run = {name: first_share * first[name] + (1 - first_share) * statistics.median(later[name]) for name in ways}
     print(f"{len(distinct)} distinct shapes in {train_cfg.max_steps} steps: {first_share:.1%} of a run's steps meet a "
           "shape for the first time")
-    print(f"{'':12s} {'first tok/s':>12s} {'later tok/s':>12s} {'run tok/s':>10s} {'x fp32 (run)':>13s}")
+    print(f"{'':14s} {'first tok/s':>12s} {'later tok/s':>12s} {'run tok/s':>10s} {'x fp32 (run)':>13s}")
     for name in ways:
-        print(f"{name:12s} {1 / first[name]:12.0f} {1 / statistics.median(later[name]):12.0f} {1 / run[name]:10.0f} "
+        print(f"{name:14s} {1 / first[name]:12.0f} {1 / statistics.median(later[name]):12.0f} {1 / run[name]:10.0f} "
               f"{run['fp32'] / run[name]:12.2f}x")
-    if amx:
-        print(f"bf16 products: {run['fp32'] / run['bf16']:.2f}x fp32 in a run (target >= 1.3x), "
-              f"{run['bf16, flash'] / run['bf16']:.2f}x bf16 with the flash kernel (target > 1x)")
+    if other != "fp32":
+        print(f"{other} products: {run['fp32'] / run[other]:.2f}x fp32 in a run "
+              f"(target {'>= 1.3x' if other == 'bf16' else '> 1x'}), "
+              f"{run[other + ', flash'] / run[other]:.2f}x {other} with the flash kernel (target > 1x)")
 
 
 if __name__ == "__main__":

@@ -22,9 +22,9 @@ batch.max_tokens = 2500, one batch per step.
 
 Both run in one process, alternating rounds of `--steps` timed steps (after one
 warm-up step each) so that load from other programs hits both alike, with the
-matrix products the default's train.cpu_matmul picks on this CPU (bf16 on AMX,
-else fp32: pipeline/training/cpu_matmul.py) and the attention kernels that go
-with them, for both. Reported: real target tokens per second, and MFU = analytic
+matrix products the default's train.cpu_matmul picks on this CPU (fp32 by
+oneDNN or torch's BLAS: pipeline/training/cpu_matmul.py) and the attention
+kernels that go with them, for both. Reported: real target tokens per second, and MFU = analytic
 training FLOPs (model.flops.training_flops on real tokens) / (best round's time x
 the machine's matmul peak in those products: the best of
 model.flops.measure_matmul_peak before and after every round, since a shared
@@ -186,7 +186,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"  round {r + 1} {name:15s} {tokens / seconds[name][-1]:8.0f} tok/s")
         peaks.append(flops_lib.measure_matmul_peak(torch.float32))
     peak = max(peaks)  # the machine's peak; lower figures were measured under someone else's load
-    print(f"{products} matmul peak: {peak / 1e9:.1f} GFLOP/s (best of {', '.join(f'{p / 1e9:.0f}' for p in peaks)})")
+    print(f"{cpu_matmul.describe(products)} matmul peak: {peak / 1e9:.1f} GFLOP/s "
+          f"(best of {', '.join(f'{p / 1e9:.0f}' for p in peaks)})")
     print(f"{'':15s} {'tok/s (best)':>13s} {'tok/s (median)':>15s} {'MFU (best)':>11s}")
     best = {}
     for name, times in seconds.items():

@@ -1,4 +1,5 @@
-"""train.cpu_matmul: bf16 matrix products on a CPU with AMX, fp32 elsewhere, recorded with the run."""
+"""train.cpu_matmul: bf16 matrix products on a CPU with AMX, fp32 by oneDNN on AVX-512 without AMX, torch's BLAS
+elsewhere, recorded with the run."""
 
 from __future__ import annotations
 
@@ -19,7 +20,10 @@ CTX = distributed.Dist(0, 1, 0, CPU)
 XEON = ("processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Processor\ncpu MHz\t\t: 2500.000\n"
         "flags\t\t: fpu sse2 avx fma avx2 avx512f avx512_bf16 amx_bf16 amx_tile amx_int8\n")
 EPYC = "processor\t: 0\nmodel name\t: AMD EPYC\ncpu MHz\t\t: 2445.406\nflags\t\t: fpu sse2 avx fma avx2\n"
-BF16 = "fp32, bf16 matrix products (AMX)"
+ZEN = ("processor\t: 0\nmodel name\t: AMD EPYC\ncpu MHz\t\t: 3000.000\n"
+       "flags\t\t: fpu sse2 avx fma avx2 avx512f avx512dq avx512bw avx512vl avx512_bf16\n")
+BF16, ONEDNN = "fp32, bf16 matrix products (AMX)", "fp32 (oneDNN's matrix products)"
+NATIVE_AVX512 = cpu_matmul.has_avx512() and not cpu_matmul.has_amx()
 
 
 @pytest.fixture(autouse=True)
@@ -39,15 +43,25 @@ def as_cpu(monkeypatch, text: str) -> None:
 
 @pytest.mark.parametrize("setting, text, device, want", [
     ("auto", XEON, CPU, "bf16"), ("auto", EPYC, CPU, "fp32"), ("fp32", XEON, CPU, "fp32"),
-    ("bf16", XEON, CPU, "bf16"), ("auto", XEON, CUDA, "fp32"), ("bf16", EPYC, CUDA, "fp32")])
-def test_bf16_products_are_chosen_only_on_a_cpu_with_amx(setting, text, device, want):
+    ("bf16", XEON, CPU, "bf16"), ("auto", XEON, CUDA, "fp32"), ("bf16", EPYC, CUDA, "fp32"),
+    ("fp32", ZEN, CPU, "onednn"), ("auto", ZEN, CPU, "onednn"), ("blas", ZEN, CPU, "fp32"),
+    ("blas", XEON, CPU, "fp32"), ("fp32", EPYC, CPU, "fp32"), ("fp32", ZEN, CUDA, "fp32")])
+def test_bf16_products_on_amx_only_and_onednns_fp32_on_avx512_without_it(setting, text, device, want, monkeypatch):
+    monkeypatch.setattr(cpu_matmul, "onednn_keeps_fp32", lambda: True)
     assert cpu_matmul.choose(setting, device, text) == want
+
+
+def test_fp32_stays_on_torchs_blas_where_onednn_would_round_to_bf16(monkeypatch, caplog):
+    monkeypatch.setattr(cpu_matmul, "onednn_keeps_fp32", lambda: False)
+    with caplog.at_level(logging.WARNING):
+        assert cpu_matmul.choose("fp32", CPU, ZEN) == "fp32"
+    assert "oneDNN rounded a test product to bf16" in caplog.text
 
 
 def test_asking_for_bf16_on_a_cpu_without_amx_fails_naming_the_key_and_the_remedy():
     with pytest.raises(ParamsError, match=r"train\.cpu_matmul = 'bf16'.*no AMX.*amx_bf16.*'auto' or 'fp32'"):
         cpu_matmul.choose("bf16", CPU, EPYC)
-    with pytest.raises(ParamsError, match=r"train\.cpu_matmul = 'bf8': expected one of 'auto', 'fp32', 'bf16'"):
+    with pytest.raises(ParamsError, match=r"train\.cpu_matmul = 'bf8': expected one of 'auto', 'fp32', 'blas', 'bf16'"):
         cpu_matmul.choose("bf8", CPU, XEON)
 
 
@@ -61,7 +75,9 @@ def test_bf16_products_switch_the_torch_flag_and_the_cpu_attention_kernel_and_ba
     cpu_matmul.use("fp32")
     assert torch.backends.mkldnn.matmul.fp32_precision == "none" and attention.choice(CPU) is None
     assert attention.use(CPU) == attention.CPU
-    with pytest.raises(ValueError, match="expected 'fp32' or 'bf16'"):
+    cpu_matmul.use("onednn")  # fp32 by oneDNN: the same flag, the same attention kernel
+    assert torch.backends.mkldnn.matmul.fp32_precision == "bf16" and attention.choice(CPU) == ("math",)
+    with pytest.raises(ValueError, match="expected one of 'fp32', 'onednn', 'bf16', got 'auto'"):
         cpu_matmul.use("auto")
 
 
@@ -94,6 +110,7 @@ def test_the_nominal_peak_of_bf16_products_is_the_amx_tiles_rate_and_the_paper_k
 def train_once(root, monkeypatch, text: str, setting: str) -> tuple[dict, dict, list[str]]:
     """The train stage on a CPU whose flags are `text`: (metrics/train.json, final weights, precisions used)."""
     as_cpu(monkeypatch, text)
+    monkeypatch.setattr(cpu_matmul, "onednn_keeps_fp32", lambda: True)  # whatever the CPU under the test
     used, real_use = [], cpu_matmul.use
     monkeypatch.setattr(cpu_matmul, "use", lambda choice: (used.append(choice), real_use(choice))[1])
     write_corpus(root)
@@ -103,17 +120,17 @@ def train_once(root, monkeypatch, text: str, setting: str) -> tuple[dict, dict, 
     return json.loads((root / "metrics" / "train.json").read_text()), final_weights(root), used
 
 
-@pytest.mark.parametrize("text, want", [(XEON, BF16), (EPYC, "fp32")])
+@pytest.mark.parametrize("text, want", [(XEON, BF16), (EPYC, "fp32"), (ZEN, ONEDNN)])
 def test_the_train_stage_records_the_precision_auto_chose_in_its_metrics_log_and_mlflow(
         tmp_path, monkeypatch, caplog, one_thread, text, want):
     with caplog.at_level(logging.INFO):
         metrics, _, used = train_once(tmp_path, monkeypatch, text, "auto")
-    assert used == [{BF16: "bf16", "fp32": "fp32"}[want]]
+    assert used == [{BF16: "bf16", "fp32": "fp32", ONEDNN: "onednn"}[want]]
     assert metrics["precision"] == want and f"precision: {want}" in caplog.text
-    per_cycle = 1024 if want == BF16 else 32  # MFU against the AMX tiles' rate, or the FMA units'
-    clock = 2500e6 if want == BF16 else 2445.406e6
+    per_cycle = {BF16: 1024, "fp32": 32, ONEDNN: 64}[want]  # MFU against the AMX tiles' rate, or the FMA units'
+    clock = {BF16: 2500e6, "fp32": 2445.406e6, ONEDNN: 3000e6}[want]
     assert (metrics["peak_flops"], metrics["peak_flops_source"]) == (pytest.approx(clock * per_cycle), "nominal")
-    assert ("attention: torch's math kernel on a CPU with bf16 matrix products" in caplog.text) == (want == BF16)
+    assert ("attention: torch's math kernel on a CPU with oneDNN's matrix products" in caplog.text) == (want != "fp32")
     client = MlflowClient()
     runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
     assert [r.data.params.get("precision") for r in runs] == [want]
@@ -137,6 +154,17 @@ def test_on_amx_bf16_products_round_the_inputs_to_bf16_and_sum_in_fp32():
     assert product.dtype == torch.float32
     assert (product - rounded).abs().max() < 1e-4  # the bf16-rounded inputs' product, summed in fp32
     assert (product - exact).abs().max() > 1e-2  # not the fp32 product
+
+
+@pytest.mark.skipif(not NATIVE_AVX512, reason="needs a CPU with AVX-512 and without AMX")
+def test_on_avx512_without_amx_onednns_products_keep_fp32():
+    assert cpu_matmul.onednn_keeps_fp32() and cpu_matmul.choose("fp32", CPU) == "onednn"
+    a = torch.randn(1250, 256, generator=torch.Generator().manual_seed(0))
+    b = torch.randn(256, 1024, generator=torch.Generator().manual_seed(1))
+    exact, rounded = a.double() @ b.double(), a.bfloat16().double() @ b.bfloat16().double()
+    cpu_matmul.use("onednn")
+    product = a @ b
+    assert (product - exact).abs().max() < 1e-3 < (rounded - exact).abs().max()  # fp32's rounding, not bf16's
 
 
 def test_the_matmul_bench_times_every_stored_batch_and_meets_each_shape_first_once(tmp_path):

@@ -118,7 +118,7 @@ def test_ranks_that_chose_different_precisions_stop_naming_the_odd_one(tmp_path)
     expected = (f"training precision differs from rank 0's (bf16 autocast on {host}) on rank 1 on {host} (fp16 "
                 "autocast with a gradient scaler): every process of a run must train in the same precision: run it "
                 "on GPUs of one kind (bf16 on compute capability 8.0 and newer, fp16 on 7.x, fp32 before), or CPUs "
-                "that all have AMX or none (train.cpu_matmul: auto)")
+                "of one kind: train.cpu_matmul chooses by the CPU's flags (AMX, AVX-512)")
     assert [(tmp_path / f"rank{r}").read_text() for r in range(2)] == [expected, expected]
 
 

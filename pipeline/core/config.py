@@ -167,9 +167,10 @@ class TrainConfig:
     micro_batch_tokens: int = field(default=0, metadata={"range": "[0, inf)"})
     # decoupled weight decay (AdamW) of the weight matrices and embeddings; 0 = none, the paper's Adam
     weight_decay: float = field(default=0.0, metadata={"range": "[0, inf)"})
-    # a CPU's matrix products: fp32 (the paper's), bf16 on AMX tiles with fp32 weights and sums, or auto (bf16 where
-    # the CPU has AMX, else fp32); GPUs ignore it (pipeline/training/cpu_matmul.py)
-    cpu_matmul: str = field(default="fp32", metadata={"choices": ("auto", "fp32", "bf16")})
+    # a CPU's matrix products: fp32 (the paper's; by oneDNN on AVX-512 without AMX, else torch's BLAS), blas (fp32 by
+    # torch's BLAS), bf16 on AMX tiles with fp32 weights and sums, or auto (bf16 where the CPU has AMX, else fp32);
+    # GPUs ignore it (pipeline/training/cpu_matmul.py)
+    cpu_matmul: str = field(default="fp32", metadata={"choices": ("auto", "fp32", "blas", "bf16")})
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,9 @@ training and decoding use, in this order:
 
 and no cuDNN. TRANSFORMER_SDPA_BACKENDS (a comma list of cudnn, flash, efficient, math, in priority order) replaces
 that list, for a GPU where other kernels measured faster. On a CPU nothing changes, torch's default CPU kernels (the
-variable is checked, not applied), unless the process's matrix products are bf16 (pipeline/training/cpu_matmul.py):
-then the math kernel: with bf16 products torch's flash kernel for CPUs made the default's training step slower
-than fp32 products, the math kernel faster (bench.cpu_matmul, docs/benchmarks.md).
+variable is checked, not applied), unless oneDNN computes the process's matrix products (bf16 on AMX, or fp32:
+pipeline/training/cpu_matmul.py): then the math kernel: with oneDNN's products torch's flash kernel for CPUs made the
+default's training step slower than torch's BLAS, the math kernel faster (bench.cpu_matmul, docs/benchmarks.md).
 
     description = attention.use(device)   # once per process (the Trainer, the translate stage): log it
     with attention.kernels(device): ...   # the same, for a block only
@@ -37,7 +37,7 @@ BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTEN
             "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
 DEFAULT = ("flash", "efficient", "math")
 CPU = "torch's default CPU kernels"
-CPU_BF16 = ("math",)  # a CPU with bf16 matrix products
+CPU_BF16 = ("math",)  # a CPU whose matrix products oneDNN computes (bf16 on AMX, or fp32)
 
 _process = contextlib.ExitStack()  # what use() entered, held until the process ends
 _process_choice: tuple[str, ...] | None = None
@@ -72,7 +72,7 @@ def has_priority() -> bool:
 def describe(names: tuple[str, ...] | None, device: torch.device | None = None) -> str:
     """One line for the log: the backends and why (`names` from choice(device); a device other than CUDA: a CPU's)."""
     if names is None or (device is not None and device.type != "cuda"):
-        cpu = CPU if names is None else "torch's math kernel on a CPU with bf16 matrix products"
+        cpu = CPU if names is None else "torch's math kernel on a CPU with oneDNN's matrix products"
         return cpu + (f" ({ENV} applies to CUDA GPUs only)" if overridden() else "")
     order = "in that order" if has_priority() else "enabled, in torch's own order (this torch has no set_priority)"
     why = (f"{ENV} overrides" if names == DEFAULT else f"from {ENV}")

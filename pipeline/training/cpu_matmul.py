@@ -1,26 +1,33 @@
-"""train.cpu_matmul: the precision of a CPU's matrix products in training.
+"""train.cpu_matmul: the precision of a CPU's matrix products in training, and whose kernels compute them.
 
-    choice = cpu_matmul.choose(train_cfg.cpu_matmul, device)   # "fp32" or "bf16"; fails where bf16 cannot run
+    choice = cpu_matmul.choose(train_cfg.cpu_matmul, device)   # "fp32", "onednn" or "bf16"; fails where bf16 cannot run
     cpu_matmul.use(choice)                                      # for the rest of this process (the flag is global)
 
-  fp32  the paper's precision: every product in fp32 (torch's default).
-  bf16  the weights, activations, gradients and Adam stay fp32; oneDNN rounds
-        the inputs of each matrix product to bf16 and accumulates in fp32
-        (torch.backends.mkldnn.matmul.fp32_precision = "bf16"), on the CPU's
-        AMX tiles. Only on a CPU with AMX (the amx_bf16 flag of /proc/cpuinfo),
-        the only kind measured faster; a CPU without it fails with one line.
-  auto  bf16 on a CPU with AMX, fp32 on any other; a GPU ignores the setting
-        (it trains under autocast: distributed.mixed_precision).
+Settings:
+  fp32  the paper's precision: every product in fp32, by the fastest fp32 kernels measured on this CPU: oneDNN's
+        on a CPU with AVX-512 and without AMX (an AMD EPYC with AVX-512: 2.2 to 2.6 times as fast a product as
+        MKL's, 1.45x the default's training step), torch's BLAS (MKL) on any other.
+  blas  fp32 by torch's BLAS (MKL) on every CPU: torch's default.
+  bf16  the weights, activations, gradients and Adam stay fp32; oneDNN rounds the inputs of each matrix product
+        to bf16 and accumulates in fp32, on the CPU's AMX tiles. Only on a CPU with AMX (the amx_bf16 flag of
+        /proc/cpuinfo), the only kind measured faster; a CPU without it fails with one line.
+  auto  bf16 on a CPU with AMX, else what fp32 chooses; a GPU ignores the setting (it trains under autocast:
+        distributed.mixed_precision).
 
-Under bf16 a CPU's attention runs torch's math kernel (pipeline/training/attention.py):
-with bf16 products torch's flash kernel for CPUs is slower than the math one, and
-slower than fp32 products (bench.cpu_matmul). The choice depends on the CPU and is
+oneDNN computes a process's fp32 products only when torch's flag allows it bf16
+(torch.backends.mkldnn.matmul.fp32_precision = "bf16"): on AMX it then rounds them, on a CPU
+without it (oneDNN 3.x) its AVX-512 kernels keep them fp32. Where fp32 chooses oneDNN, one
+product is checked first: if oneDNN rounded it (another oneDNN, another CPU), the run keeps
+torch's BLAS and says so. Under oneDNN a CPU's attention runs torch's math kernel
+(pipeline/training/attention.py): there torch's flash kernel for CPUs is slower than the math
+one, and slower than torch's BLAS (bench.cpu_matmul). The choice depends on the CPU and is
 recorded (`precision` in metrics/train.json and MLflow); the same machine with the same
 params and code trains the same weights. Speed and BLEU: docs/benchmarks.md, docs/results.md.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import fields
 
@@ -30,11 +37,16 @@ from pipeline.core.config import ParamsError, TrainConfig
 from pipeline.training.peak import AMX_BF16_FLAG as AMX_FLAG, cpuinfo
 
 SETTINGS = next(f for f in fields(TrainConfig) if f.name == "cpu_matmul").metadata["choices"]  # one list: the field's
-# oneDNN compiles a bf16 product's kernel (a primitive) per shape and keeps 1024 of them by default; the default's 217
-# batch shapes need more, and recompiling evicted ones made its training slower than fp32 (docs/benchmarks.md).
+# oneDNN compiles a product's kernel (a primitive) per shape and keeps 1024 of them by default; the default's 217
+# batch shapes need more, and recompiling evicted ones made its bf16 training slower than fp32 (docs/benchmarks.md).
 # Read once, when oneDNN first builds a primitive in the process; a value set outside wins. Speed only: an evicted
 # primitive is rebuilt the same, so the weights do not depend on it.
 PRIMITIVE_CACHE = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "16384")
+log = logging.getLogger(__name__)
+
+
+AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq")  # what torch asks of a CPU before it lets oneDNN compute
+CHOICES = ("fp32", "onednn", "bf16")  # choose()'s answers: fp32 by torch's BLAS, fp32 by oneDNN, bf16 on AMX
 
 
 def has_amx(text: str | None = None) -> bool:
@@ -42,30 +54,62 @@ def has_amx(text: str | None = None) -> bool:
     return AMX_FLAG in (cpuinfo("flags", text) or "").split()
 
 
+def has_avx512(text: str | None = None) -> bool:
+    """Whether this CPU (or a /proc/cpuinfo `text`) has the AVX-512 that torch's oneDNN products need."""
+    return set((cpuinfo("flags", text) or "").split()).issuperset(AVX512)
+
+
+def onednn_keeps_fp32() -> bool:
+    """Whether oneDNN, allowed bf16, computes a product in fp32 on this CPU: one 64 x 256 by 256 x 64 product
+    against its float64 value (fp32 rounding is ~1e-5 there; bf16 inputs' is ~0.1)."""
+    generator = torch.Generator().manual_seed(0)
+    a, b = torch.randn(64, 256, generator=generator), torch.randn(256, 64, generator=generator)
+    before = torch.backends.mkldnn.matmul.fp32_precision
+    os.environ.setdefault(*PRIMITIVE_CACHE)
+    torch.backends.mkldnn.matmul.fp32_precision = "bf16"
+    try:
+        product = a @ b
+    finally:
+        torch.backends.mkldnn.matmul.fp32_precision = before
+    return float((product.double() - a.double() @ b.double()).abs().max()) < 1e-3
+
+
 def choose(setting: str, device: torch.device, text: str | None = None) -> str:
-    """The products' precision for train.cpu_matmul = `setting` on `device`: "fp32" or "bf16"."""
+    """What computes the products for train.cpu_matmul = `setting` on `device` (one of CHOICES): "fp32" (torch's
+    BLAS), "onednn" (fp32 by oneDNN) or "bf16" (AMX)."""
     if setting not in SETTINGS:
         raise ParamsError(f"train.cpu_matmul = {setting!r}: expected one of {', '.join(map(repr, SETTINGS))}")
-    if device.type != "cpu" or setting == "fp32":
+    if device.type != "cpu":
         return "fp32"
-    if has_amx(text):
-        return "bf16"
-    if setting == "bf16":
+    amx = has_amx(text)
+    if setting == "bf16" and not amx:
         raise ParamsError(f"train.cpu_matmul = 'bf16': this CPU has no AMX ({AMX_FLAG} is not among the flags of "
                           "/proc/cpuinfo), so bf16 products would only be slower; set it to 'auto' or 'fp32'")
+    if amx and setting in ("bf16", "auto"):
+        return "bf16"
+    if setting == "blas" or amx or not has_avx512(text) or not torch.backends.mkldnn.is_available():
+        return "fp32"
+    if onednn_keeps_fp32():
+        return "onednn"
+    log.warning("oneDNN rounded a test product to bf16 on this CPU: its fp32 products stay on torch's BLAS")
     return "fp32"
 
 
 def use(choice: str) -> None:
-    """Apply `choice` ("fp32" or "bf16") to this process's CPU matrix products until the next call (torch's flag
+    """Apply `choice` (one of CHOICES) to this process's CPU matrix products until the next call (torch's flag
     is process-wide; pipeline/training/attention.py reads it)."""
-    if choice not in ("fp32", "bf16"):
-        raise ValueError(f"cpu_matmul.use: expected 'fp32' or 'bf16', got {choice!r}")
-    if choice == "bf16":
+    if choice not in CHOICES:
+        raise ValueError(f"cpu_matmul.use: expected one of {', '.join(map(repr, CHOICES))}, got {choice!r}")
+    if choice != "fp32":
         os.environ.setdefault(*PRIMITIVE_CACHE)
-    torch.backends.mkldnn.matmul.fp32_precision = "bf16" if choice == "bf16" else "none"
+    torch.backends.mkldnn.matmul.fp32_precision = "none" if choice == "fp32" else "bf16"
+
+
+def precision(choice: str) -> str:
+    """The products' precision, "fp32" or "bf16", of a choice (the peak that MFU is taken against)."""
+    return "bf16" if choice == "bf16" else "fp32"
 
 
 def describe(choice: str) -> str:
     """The `precision` of metrics/train.json and MLflow for a CPU run."""
-    return "fp32, bf16 matrix products (AMX)" if choice == "bf16" else "fp32"
+    return {"bf16": "fp32, bf16 matrix products (AMX)", "onednn": "fp32 (oneDNN's matrix products)"}.get(choice, "fp32")

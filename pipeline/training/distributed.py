@@ -284,8 +284,8 @@ def mixed_precision(ctx: Dist, label: str | None = None) -> tuple[contextlib.Abs
     log.info("precision: %s%s%s", label, " (no bf16 on this GPU)" if dtype == torch.float16 else "", where)
     check_same(label, "training precision", ctx, shown=True,
                remedy="every process of a run must train in the same precision: run it on GPUs of one kind (bf16 on "
-                      "compute capability 8.0 and newer, fp16 on 7.x, fp32 before), or CPUs that all have AMX or "
-                      "none (train.cpu_matmul: auto)")
+                      "compute capability 8.0 and newer, fp16 on 7.x, fp32 before), or CPUs of one kind: "
+                      "train.cpu_matmul chooses by the CPU's flags (AMX, AVX-512)")
     autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
     return autocast, torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
 

@@ -92,7 +92,8 @@ class Trainer(RunCheckpoints):
         self.optimizer = build_optimizer(self.model, cfg)
         # Paper: fp32 on P100s. GPUs train under autocast: bf16, or fp16 with a gradient scaler on GPUs without
         # bf16 (the weights and Adam stay fp32).
-        # CPUs: fp32, or bf16 matrix products on AMX (train.cpu_matmul), for this process and its attention kernels.
+        # CPUs: fp32 (torch's BLAS or oneDNN), or bf16 products on AMX (train.cpu_matmul), for this process and its
+        # attention kernels.
         self.products = cpu_matmul.choose(cfg.cpu_matmul, ctx.device)
         cpu_matmul.use(self.products)
         self.precision = distributed.precision(ctx, cpu_matmul.describe(self.products))
@@ -120,7 +121,7 @@ class Trainer(RunCheckpoints):
         if left_out:
             log.warning("%d valid pair(s) longer than model.max_positions = %d are left out of validation",
                         left_out, model_cfg.max_positions)
-        self.peak = peak.peak_flops(ctx, products=self.products) if ctx.is_main else peak.Peak(0.0, 0.0, "", "", None)
+        self.peak = peak.peak_flops(ctx, products=cpu_matmul.precision(self.products)) if ctx.is_main else peak.Peak(0.0, 0.0, "", "", None)
         run.log_params({"model": asdict(model_cfg), "train": asdict(cfg), "batch.max_tokens": max_tokens,
                         "grad_accum": self.accum, "device": self.peak.device, "precision": self.precision,
                         "params_hash": phash,
