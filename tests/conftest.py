@@ -23,6 +23,19 @@ def _private_tracking_store(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}")
 
 
+@pytest.fixture(autouse=True)
+def _torchs_products_after():
+    """A train stage run in the test's process sets its CPU products for the process (oneDNN's on a CPU with AVX-512
+    and without AMX, pipeline/training/cpu_matmul.py): each test leaves torch's BLAS and default attention behind."""
+    yield
+    from pipeline.training import attention, cpu_matmul
+
+    cpu_matmul.use("fp32")
+    with pytest.MonkeyPatch.context() as env:  # whatever the test left in TRANSFORMER_SDPA_BACKENDS: CPUs ignore it
+        env.delenv(attention.ENV, raising=False)
+        attention.use(torch.device("cpu"))
+
+
 @pytest.fixture
 def one_thread(monkeypatch):
     """In-process training on one thread, as each process a test starts (pinned to one core): the same sums."""

@@ -26,14 +26,6 @@ BF16, ONEDNN = "fp32, bf16 matrix products (AMX)", "fp32 (oneDNN's matrix produc
 NATIVE_AVX512 = cpu_matmul.has_avx512() and not cpu_matmul.has_amx()
 
 
-@pytest.fixture(autouse=True)
-def fp32_after():
-    """Each test leaves the process as it found it: fp32 products, torch's default CPU attention."""
-    yield
-    cpu_matmul.use("fp32")
-    attention.use(CPU)
-
-
 def as_cpu(monkeypatch, text: str) -> None:
     """Make /proc/cpuinfo read `text` for the choice and the peak."""
     read = peak.cpuinfo

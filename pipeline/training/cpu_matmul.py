@@ -5,8 +5,8 @@
 
 Settings:
   fp32  the paper's precision: every product in fp32, by the fastest fp32 kernels measured on this CPU: oneDNN's
-        on a CPU with AVX-512 and without AMX (an AMD EPYC with AVX-512: 2.2 to 2.6 times as fast a product as
-        MKL's, 1.45x the default's training step), torch's BLAS (MKL) on any other.
+        on a CPU with AVX-512 and without AMX (an AMD EPYC with AVX-512: 2.1 to 3.0 times as fast a product as
+        MKL's, 1.6x the train stage's steps), torch's BLAS (MKL) on any other.
   blas  fp32 by torch's BLAS (MKL) on every CPU: torch's default.
   bf16  the weights, activations, gradients and Adam stay fp32; oneDNN rounds the inputs of each matrix product
         to bf16 and accumulates in fp32, on the CPU's AMX tiles. Only on a CPU with AMX (the amx_bf16 flag of
@@ -36,15 +36,14 @@ import torch
 from pipeline.core.config import ParamsError, TrainConfig
 from pipeline.training.peak import AMX_BF16_FLAG as AMX_FLAG, cpuinfo
 
+log = logging.getLogger(__name__)
+
 SETTINGS = next(f for f in fields(TrainConfig) if f.name == "cpu_matmul").metadata["choices"]  # one list: the field's
 # oneDNN compiles a product's kernel (a primitive) per shape and keeps 1024 of them by default; the default's 217
 # batch shapes need more, and recompiling evicted ones made its bf16 training slower than fp32 (docs/benchmarks.md).
 # Read once, when oneDNN first builds a primitive in the process; a value set outside wins. Speed only: an evicted
 # primitive is rebuilt the same, so the weights do not depend on it.
 PRIMITIVE_CACHE = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "16384")
-log = logging.getLogger(__name__)
-
-
 AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq")  # what torch asks of a CPU before it lets oneDNN compute
 CHOICES = ("fp32", "onednn", "bf16")  # choose()'s answers: fp32 by torch's BLAS, fp32 by oneDNN, bf16 on AMX
 
