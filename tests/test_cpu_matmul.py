@@ -30,7 +30,6 @@ def as_cpu(monkeypatch, text: str) -> None:
     """Make /proc/cpuinfo read `text` for the choice and the peak."""
     read = peak.cpuinfo
     monkeypatch.setattr(peak, "cpuinfo", lambda field, t=None: read(field, text if t is None else t))
-    monkeypatch.setattr(cpu_matmul, "cpuinfo", peak.cpuinfo)
 
 
 @pytest.mark.parametrize("setting, text, device, want", [

@@ -37,7 +37,7 @@ BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTEN
             "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
 DEFAULT = ("flash", "efficient", "math")
 CPU = "torch's default CPU kernels"
-CPU_BF16 = ("math",)  # a CPU whose matrix products oneDNN computes (bf16 on AMX, or fp32)
+CPU_ONEDNN = ("math",)  # a CPU whose matrix products oneDNN computes (bf16 on AMX, or fp32)
 
 _process = contextlib.ExitStack()  # what use() entered, held until the process ends
 _process_choice: tuple[str, ...] | None = None
@@ -60,7 +60,7 @@ def choice(device: torch.device) -> tuple[str, ...] | None:
     """The backends, in priority order, that attention on `device` runs under; None: torch's default (CPUs)."""
     named = overridden()  # a bad value fails on every device, so a typo shows before the GPU run
     if device.type != "cuda":
-        return CPU_BF16 if torch.backends.mkldnn.matmul.fp32_precision == "bf16" else None
+        return CPU_ONEDNN if torch.backends.mkldnn.matmul.fp32_precision == "bf16" else None
     return named or DEFAULT
 
 

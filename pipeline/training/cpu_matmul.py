@@ -34,7 +34,7 @@ from dataclasses import fields
 import torch
 
 from pipeline.core.config import ParamsError, TrainConfig
-from pipeline.training.peak import AMX_BF16_FLAG as AMX_FLAG, cpuinfo
+from pipeline.training.peak import AMX_BF16_FLAG as AMX_FLAG, cpu_flags
 
 log = logging.getLogger(__name__)
 
@@ -50,12 +50,12 @@ CHOICES = ("fp32", "onednn", "bf16")  # choose()'s answers: fp32 by torch's BLAS
 
 def has_amx(text: str | None = None) -> bool:
     """Whether this CPU (or a /proc/cpuinfo `text`) has AMX's bf16 tiles."""
-    return AMX_FLAG in (cpuinfo("flags", text) or "").split()
+    return AMX_FLAG in cpu_flags(text)
 
 
 def has_avx512(text: str | None = None) -> bool:
     """Whether this CPU (or a /proc/cpuinfo `text`) has the AVX-512 that torch's oneDNN products need."""
-    return set((cpuinfo("flags", text) or "").split()).issuperset(AVX512)
+    return cpu_flags(text).issuperset(AVX512)
 
 
 def onednn_keeps_fp32() -> bool:

@@ -130,6 +130,11 @@ def cpuinfo(field: str, text: str | None = None) -> str | None:
     return None
 
 
+def cpu_flags(text: str | None = None) -> set[str]:
+    """The first processor's flags in /proc/cpuinfo (or in `text`)."""
+    return set((cpuinfo("flags", text) or "").split())
+
+
 def cpu_name() -> str:
     return cpuinfo("model name") or "cpu"
 
@@ -137,7 +142,7 @@ def cpu_name() -> str:
 def nominal_cpu_peak(threads: int, text: str | None = None, products: str = "fp32") -> float | None:
     """threads x clock x FLOPS_PER_CYCLE of the widest FMA unit (AMX_BF16_FLOPS_PER_CYCLE for bf16 `products`, on
     a CPU with amx_bf16), from /proc/cpuinfo (or `text`); None if unknown."""
-    mhz, flags = cpuinfo("cpu MHz", text), set((cpuinfo("flags", text) or "").split())
+    mhz, flags = cpuinfo("cpu MHz", text), cpu_flags(text)
     if products == "bf16":
         per_cycle = AMX_BF16_FLOPS_PER_CYCLE if AMX_BF16_FLAG in flags else None
     else:

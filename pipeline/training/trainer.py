@@ -121,7 +121,8 @@ class Trainer(RunCheckpoints):
         if left_out:
             log.warning("%d valid pair(s) longer than model.max_positions = %d are left out of validation",
                         left_out, model_cfg.max_positions)
-        self.peak = peak.peak_flops(ctx, products=cpu_matmul.precision(self.products)) if ctx.is_main else peak.Peak(0.0, 0.0, "", "", None)
+        self.peak = (peak.peak_flops(ctx, products=cpu_matmul.precision(self.products)) if ctx.is_main
+                     else peak.Peak(0.0, 0.0, "", "", None))
         run.log_params({"model": asdict(model_cfg), "train": asdict(cfg), "batch.max_tokens": max_tokens,
                         "grad_accum": self.accum, "device": self.peak.device, "precision": self.precision,
                         "params_hash": phash,
