@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+POSITIONAL_ENCODINGS = ("sinusoidal", "learned", "rotary")
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -22,8 +24,9 @@ class ModelConfig:
     d_k: int = field(metadata={"range": "[1, inf)"})
     d_v: int = field(metadata={"range": "[1, inf)"})
     dropout: float = field(metadata={"range": "[0, 1)"})  # P_drop (Sec. 5.4)
-    # "sinusoidal" (Sec. 3.5) or "learned" (Table 3 row E)
-    positional_encoding: str = field(metadata={"choices": ("sinusoidal", "learned")})
+    # "sinusoidal" (Sec. 3.5), "learned" (Table 3 row E) or "rotary" (RoFormer, Su et al. 2021; not in the
+    # paper: queries and keys of self-attention turned by their position's angles, nothing added to the embeddings)
+    positional_encoding: str = field(metadata={"choices": POSITIONAL_ENCODINGS})
     max_positions: int = field(metadata={"range": "[1, inf)"})  # longest sequence the positional encoding covers
     # Not in the paper (fairseq's activation_dropout): dropout on the feed-forward's hidden max(0, x W1 + b1).
     # 0 (no dropout there, as Sec. 5.4) when absent, as in the checkpoints written before it.

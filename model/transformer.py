@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from model.config import ModelConfig
+from model.config import POSITIONAL_ENCODINGS, ModelConfig
 from model.dropout import Dropout
 
 # --- 3.2 Attention -------------------------------------------------------------
@@ -38,10 +38,11 @@ class MultiHeadAttention(nn.Module):
     fused further into a single [D, H*(2*d_k + d_v)] product.
     """
 
-    def __init__(self, d_model: int, n_heads: int, d_k: int, d_v: int, self_attention: bool):
+    def __init__(self, d_model: int, n_heads: int, d_k: int, d_v: int, self_attention: bool,
+                 rotary: Rotary | None = None):
         super().__init__()
         self.n_heads, self.d_k, self.d_v = n_heads, d_k, d_v
-        self.self_attention = self_attention
+        self.self_attention, self.rotary = self_attention, rotary
         # Paper: W^Q, W^K, W^V and W^O are plain matrices (Sec. 3.2.2; tensor2tensor has no biases
         # there either). These nn.Linear carry biases, initialised to zero: 4 x d_model more
         # parameters per attention (37K in base), kept because the default's results were measured so.
@@ -65,10 +66,14 @@ class MultiHeadAttention(nn.Module):
         k, v = self.w_kv(memory).split([self.n_heads * self.d_k, self.n_heads * self.d_v], dim=-1)
         return self._heads(k, self.d_k), self._heads(v, self.d_v)
 
-    def project_qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Queries, keys and values of `x` for self-attention, each [B, H, L, d]."""
+    def project_qkv(self, x: Tensor, start: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+        """Queries, keys and values of `x` for self-attention, each [B, H, L, d]; with rotary positions, the
+        queries and keys turned by the angles of positions start..start+L-1."""
         h = self.n_heads
-        q, k, v = self.w_qkv(x).split([h * self.d_k, h * self.d_k, h * self.d_v], dim=-1)
+        qk, v = self.w_qkv(x).split([2 * h * self.d_k, h * self.d_v], dim=-1)
+        if self.rotary is not None:
+            qk = self.rotary(qk, start)
+        q, k = qk.split(h * self.d_k, dim=-1)
         return self._heads(q, self.d_k), self._heads(k, self.d_k), self._heads(v, self.d_v)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
@@ -133,15 +138,35 @@ def sinusoidal_encoding(max_positions: int, d_model: int) -> Tensor:
     return pe.float()
 
 
+class Rotary(nn.Module):
+    """Rotary position embedding (Su et al. 2021, RoFormer; not in the paper): in self-attention, each pair
+    (2i, 2i+1) of a head's query and key is turned by the angle pos / 10000^(2i/d_k), the sinusoids' angles, so
+    q.k depends on the two positions only through their distance. Nothing is added to the embeddings. One
+    table, shared by every self-attention layer; cross-attention keeps its queries and keys as they are."""
+
+    def __init__(self, d_k: int, max_positions: int):
+        super().__init__()
+        angles = sinusoidal_encoding(max_positions, d_k)  # [P, d_k]: sin at even, cos at odd columns
+        self.register_buffer("sin", angles[:, 0::2].contiguous(), persistent=False)  # [P, d_k / 2]
+        self.register_buffer("cos", angles[:, 1::2].contiguous(), persistent=False)
+
+    def forward(self, x: Tensor, start: int) -> Tensor:
+        """x [B, L, G * d_k], G heads' queries or keys side by side, at positions start..start+L-1 -> the same shape."""
+        L, half = x.shape[1], self.sin.shape[1]
+        even, odd = x.unflatten(-1, (-1, half, 2)).unbind(-1)  # [B, L, G, d_k / 2] each
+        sin, cos = (t[start : start + L, None].to(x.dtype) for t in (self.sin, self.cos))
+        return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(2)
+
+
 # --- 3.1 Encoder and decoder stacks -------------------------------------------------
 
 
 class EncoderLayer(nn.Module):
     """Self-attention then feed-forward, each LayerNorm(x + Dropout(Sublayer(x)))."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, rotary: Rotary | None = None):
         super().__init__()
-        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.d_k, cfg.d_v, self_attention=True)
+        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.d_k, cfg.d_v, self_attention=True, rotary=rotary)
         self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.activation_dropout)
         self.norm_1, self.norm_2 = nn.LayerNorm(cfg.d_model), nn.LayerNorm(cfg.d_model)
         self.dropout = Dropout(cfg.dropout)
@@ -154,9 +179,9 @@ class EncoderLayer(nn.Module):
 class DecoderLayer(nn.Module):
     """Masked self-attention, attention over the encoder output, feed-forward; each post-norm."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, rotary: Rotary | None = None):
         super().__init__()
-        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.d_k, cfg.d_v, self_attention=True)
+        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.d_k, cfg.d_v, self_attention=True, rotary=rotary)
         self.cross_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.d_k, cfg.d_v, self_attention=False)
         self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.activation_dropout)
         self.norm_1, self.norm_2, self.norm_3 = (nn.LayerNorm(cfg.d_model) for _ in range(3))
@@ -169,8 +194,8 @@ class DecoderLayer(nn.Module):
 
     def step(self, y: Tensor, cache: LayerCache, state: DecoderState) -> Tensor:
         """One decoding position with cached keys and values. y [R, 1, D] (one row per hypothesis) -> [R, 1, D]."""
-        q, k, v = self.self_attn.project_qkv(y)  # [R, H, 1, d]
         t = state.position
+        q, k, v = self.self_attn.project_qkv(y, start=t)  # [R, H, 1, d]
         cache.grow(t + 1)
         cache.self_k[t], cache.self_v[t] = k[:, :, 0], v[:, :, 0]
         past_k_t = cache.self_k[: t + 1].permute(1, 2, 3, 0)  # [t+1, R, H, d_k] -> [R, H, d_k, t+1]
@@ -244,17 +269,23 @@ class Transformer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, vocab_size: int, pad_id: int = 0):
         super().__init__()
-        if cfg.positional_encoding not in ("sinusoidal", "learned"):
-            raise ValueError(f"model.positional_encoding: expected 'sinusoidal' or 'learned', got {cfg.positional_encoding!r}")
+        if cfg.positional_encoding not in POSITIONAL_ENCODINGS:
+            raise ValueError(f"model.positional_encoding: expected one of {', '.join(POSITIONAL_ENCODINGS)}, "
+                             f"got {cfg.positional_encoding!r}")
         self.cfg, self.d_model, self.pad_id, self.max_positions = cfg, cfg.d_model, pad_id, cfg.max_positions
         self.embedding = nn.Embedding(vocab_size, cfg.d_model, padding_idx=pad_id)
+        self.learned_pe = self.rotary = None
         if cfg.positional_encoding == "sinusoidal":
             self.register_buffer("pe", sinusoidal_encoding(cfg.max_positions, cfg.d_model), persistent=False)
-            self.learned_pe = None
-        else:  # Table 3 row (E)
+        elif cfg.positional_encoding == "learned":  # Table 3 row (E)
             self.learned_pe = nn.Embedding(cfg.max_positions, cfg.d_model)
-        self.encoder = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.n_layers))
-        self.decoder = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_layers))
+        elif cfg.d_k % 2:
+            raise ValueError(f"model.positional_encoding=rotary turns pairs of a head's dimensions: model.d_k must be "
+                             f"even, got {cfg.d_k}")
+        else:
+            self.rotary = Rotary(cfg.d_k, cfg.max_positions)
+        self.encoder = nn.ModuleList(EncoderLayer(cfg, self.rotary) for _ in range(cfg.n_layers))
+        self.decoder = nn.ModuleList(DecoderLayer(cfg, self.rotary) for _ in range(cfg.n_layers))
         self.dropout = Dropout(cfg.dropout)
         self.reset_parameters()
 
@@ -292,18 +323,22 @@ class Transformer(nn.Module):
         with torch.no_grad():
             self.embedding.weight[self.pad_id].zero_()
 
-    def positions(self, start: int, length: int) -> Tensor:
-        """Positional encodings of positions start..start+length-1, [length, D]."""
+    def positions(self, start: int, length: int) -> Tensor | None:
+        """Positional encodings of positions start..start+length-1, [length, D]; None with rotary positions,
+        which turn queries and keys in self-attention instead."""
         if start + length > self.max_positions:
             raise ValueError(f"sequence of {start + length} positions exceeds model.max_positions={self.max_positions}")
         if self.learned_pe is not None:
             return self.learned_pe.weight[start : start + length]
+        if self.rotary is not None:
+            return None
         return self.pe[start : start + length]  # Paper: sinusoids have no last position; ours stop at max_positions
 
     def embed(self, tokens: Tensor, start: int = 0) -> Tensor:
         """Shared embedding x sqrt(d_model) plus positional encoding, then dropout (3.4, 3.5, 5.4)."""
-        x = self.embedding(tokens) * math.sqrt(self.d_model) + self.positions(start, tokens.shape[1])
-        return self.dropout(x)
+        x = self.embedding(tokens) * math.sqrt(self.d_model)
+        pe = self.positions(start, tokens.shape[1])
+        return self.dropout(x if pe is None else x + pe)
 
     def encode(self, src: Tensor) -> tuple[Tensor, Tensor]:
         """src [B, S] -> (memory [B, S, D], src_mask [B, 1, 1, S])."""

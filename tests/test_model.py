@@ -163,8 +163,9 @@ def test_embedding_is_shared_and_scaled_by_sqrt_d_model():
         assert (model.decode(tgt, memory, mask) - decoded).abs().max() > 1e-3
 
 
-def test_incremental_decoding_equals_the_full_pass_also_after_select():
-    model = tiny_model()
+@pytest.mark.parametrize("positional_encoding", ["sinusoidal", "rotary"])
+def test_incremental_decoding_equals_the_full_pass_also_after_select(positional_encoding):
+    model = tiny_model(positional_encoding=positional_encoding)
     g = torch.Generator().manual_seed(3)
     src, tgt = random_tokens(3, 6, g), random_tokens(3, 7, g)
     src[2, 3:] = PAD

@@ -1,0 +1,69 @@
+"""Rotary positions (model.positional_encoding=rotary, model/transformer.py's Rotary): queries and keys of
+self-attention turned by their positions' angles, nothing added to the embeddings."""
+
+import math
+
+import pytest
+import torch
+
+from model.config import ModelConfig
+from model.transformer import Rotary, Transformer
+
+V = 40
+TINY = dict(n_layers=2, d_model=16, d_ff=32, n_heads=2, d_k=8, d_v=6, dropout=0.0,
+            positional_encoding="rotary", max_positions=64)
+
+
+def tiny_model(seed: int = 0, **overrides) -> Transformer:
+    torch.manual_seed(seed)
+    return Transformer(ModelConfig(**{**TINY, **overrides}), V).eval()
+
+
+def test_rotary_turns_each_pair_of_a_head_by_its_positions_angle():
+    d_k, heads, start = 8, 3, 5
+    x = torch.randn(2, 4, heads * d_k)
+    out = Rotary(d_k, 64)(x, start)
+    for b, pos, h, i in [(0, 0, 0, 0), (1, 3, 2, 3), (0, 2, 1, 1)]:
+        angle = (start + pos) / 10000 ** (2 * i / d_k)
+        pair = complex(*x[b, pos, h * d_k + 2 * i : h * d_k + 2 * i + 2].tolist())
+        turned = pair * complex(math.cos(angle), math.sin(angle))
+        got = out[b, pos, h * d_k + 2 * i : h * d_k + 2 * i + 2].tolist()
+        assert got == pytest.approx([turned.real, turned.imag], abs=1e-5)
+    torch.testing.assert_close(out.norm(dim=-1), x.norm(dim=-1))  # a rotation: lengths kept
+
+
+def test_self_attention_scores_depend_on_positions_only_through_their_distance():
+    attention = tiny_model().encoder[0].self_attn
+    x = torch.randn(1, 5, 16)
+    with torch.no_grad():
+        q0, k0, v0 = attention.project_qkv(x, start=0)
+        q9, k9, v9 = attention.project_qkv(x, start=9)
+    assert (q0 - q9).abs().max() > 0.1  # the queries themselves move with the position
+    torch.testing.assert_close(q0 @ k0.transpose(-1, -2), q9 @ k9.transpose(-1, -2), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(v0, v9)
+
+
+def test_rotary_adds_nothing_to_the_embeddings_and_keeps_the_checkpoint_format():
+    model = tiny_model()
+    src = torch.tensor([[4, 5, 6, 7]])
+    with torch.no_grad():
+        torch.testing.assert_close(model.embed(src), model.embedding.weight[src] * math.sqrt(16))
+    sinusoidal = tiny_model(positional_encoding="sinusoidal")
+    assert {k: v.shape for k, v in model.state_dict().items()} == {k: v.shape for k, v in sinusoidal.state_dict().items()}
+
+
+def test_the_encoder_sees_the_order_of_the_source():
+    model = tiny_model()
+    src = torch.tensor([[4, 5, 6, 7, 8]])
+    with torch.no_grad():
+        memory, _ = model.encode(src)
+        reversed_memory, _ = model.encode(src.flip(1))
+    # Without positions, self-attention is order-blind: the reversed source's states would be the same, reversed.
+    assert (reversed_memory.flip(1) - memory).abs().max() > 1e-2
+
+
+def test_rotary_needs_an_even_d_k_and_a_known_name():
+    with pytest.raises(ValueError, match="model.d_k must be even, got 7"):
+        tiny_model(d_k=7)
+    with pytest.raises(ValueError, match="model.positional_encoding: expected one of sinusoidal, learned, rotary"):
+        tiny_model(positional_encoding="relative")
