@@ -49,7 +49,8 @@ from torch import Tensor, nn
 from model import flops as flops_lib
 from model.config import ModelConfig
 from model.loss import SmoothedLoss
-from model.transformer import Transformer, sinusoidal_encoding
+from model.positions import sinusoidal_encoding
+from model.transformer import Transformer
 from pipeline.core import config
 from pipeline.training import attention, cpu_matmul, distributed
 from pipeline.core.config import TrainConfig

@@ -1,9 +1,9 @@
 """The Transformer of "Attention Is All You Need" (Vaswani et al. 2017), Sec. 3.
 
 Read in the paper's order: attention (3.2), feed-forward (3.3), embeddings and
-softmax (3.4), positional encoding (3.5), then the encoder and decoder stacks
-(3.1) and the model that joins them. Post-norm residual blocks,
-LayerNorm(x + Dropout(Sublayer(x))), everywhere.
+softmax (3.4), then the encoder and decoder stacks
+(3.1) and the model that joins them; positional encoding (3.5) is in model/positions.py.
+Post-norm residual blocks, LayerNorm(x + Dropout(Sublayer(x))), everywhere.
 
 Dimensions: B batch, S source length, T target length, D d_model, H heads,
 V vocabulary. Token id `pad_id` marks padding (pipeline.corpus.formats.PAD_ID). The shape comes
@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from model.config import POSITIONAL_ENCODINGS, ModelConfig
 from model.dropout import Dropout
+from model.positions import Rotary, sinusoidal_encoding
 
 # --- 3.2 Attention -------------------------------------------------------------
 
@@ -123,39 +124,6 @@ class FeedForward(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.w_2(self.activation_dropout(F.relu(self.w_1(x))))
-
-
-# --- 3.5 Positional encoding ------------------------------------------------------
-
-
-def sinusoidal_encoding(max_positions: int, d_model: int) -> Tensor:
-    """PE(pos, 2i) = sin(pos / 10000^(2i/d_model)), PE(pos, 2i+1) = cos(same); [max_positions, D]."""
-    pos = torch.arange(max_positions, dtype=torch.float64)[:, None]
-    div = torch.pow(10000.0, torch.arange(0, d_model, 2, dtype=torch.float64) / d_model)
-    pe = torch.zeros(max_positions, d_model, dtype=torch.float64)
-    pe[:, 0::2] = torch.sin(pos / div)
-    pe[:, 1::2] = torch.cos(pos / div)
-    return pe.float()
-
-
-class Rotary(nn.Module):
-    """Rotary position embedding (Su et al. 2021, RoFormer; not in the paper): in self-attention, each pair
-    (2i, 2i+1) of a head's query and key is turned by the angle pos / 10000^(2i/d_k), the sinusoids' angles, so
-    q.k depends on the two positions only through their distance. Nothing is added to the embeddings. One
-    table, shared by every self-attention layer; cross-attention keeps its queries and keys as they are."""
-
-    def __init__(self, d_k: int, max_positions: int):
-        super().__init__()
-        angles = sinusoidal_encoding(max_positions, d_k)  # [P, d_k]: sin at even, cos at odd columns
-        self.register_buffer("sin", angles[:, 0::2].contiguous(), persistent=False)  # [P, d_k / 2]
-        self.register_buffer("cos", angles[:, 1::2].contiguous(), persistent=False)
-
-    def forward(self, x: Tensor, start: int) -> Tensor:
-        """x [B, L, G * d_k], G heads' queries or keys side by side, at positions start..start+L-1 -> the same shape."""
-        L, half = x.shape[1], self.sin.shape[1]
-        even, odd = x.unflatten(-1, (-1, half, 2)).unbind(-1)  # [B, L, G, d_k / 2] each
-        sin, cos = (t[start : start + L, None].to(x.dtype) for t in (self.sin, self.cos))
-        return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(2)
 
 
 # --- 3.1 Encoder and decoder stacks -------------------------------------------------

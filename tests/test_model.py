@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from model.config import ModelConfig
-from model.transformer import MultiHeadAttention, Transformer, padding_mask, sinusoidal_encoding
+from model.positions import sinusoidal_encoding
+from model.transformer import MultiHeadAttention, Transformer, padding_mask
 from pipeline.core.config import compose
 
 PAD, BOS, EOS = 0, 2, 3

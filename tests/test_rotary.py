@@ -1,4 +1,4 @@
-"""Rotary positions (model.positional_encoding=rotary, model/transformer.py's Rotary): queries and keys of
+"""Rotary positions (model.positional_encoding=rotary, model/positions.py's Rotary): queries and keys of
 self-attention turned by their positions' angles, nothing added to the embeddings."""
 
 import math
@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from model.config import ModelConfig
-from model.transformer import Rotary, Transformer
+from model.positions import Rotary
+from model.transformer import Transformer
 
 V = 40
 TINY = dict(n_layers=2, d_model=16, d_ff=32, n_heads=2, d_k=8, d_v=6, dropout=0.0,
