@@ -31,8 +31,11 @@ class ModelConfig:
     # Not in the paper (fairseq's activation_dropout): dropout on the feed-forward's hidden max(0, x W1 + b1).
     # 0 (no dropout there, as Sec. 5.4) when absent, as in the checkpoints written before it.
     activation_dropout: float = field(default=0.0, metadata={"range": "[0, 1)"})
+    # Not in the paper: the base b of the rotary angles pos / b^(2i/d_k), the sinusoids' 10000 (Sec. 3.5) when absent,
+    # as in the checkpoints written before it. Used by positional_encoding "rotary" only.
+    rotary_base: float = field(default=10000.0, metadata={"range": "(1, inf)"})
 
     def shape(self) -> dict[str, int]:
         """The fields that set the parameter count and the FLOPs (Table 3's size columns)."""
-        not_shape = ("dropout", "activation_dropout", "positional_encoding", "max_positions")
+        not_shape = ("dropout", "activation_dropout", "positional_encoding", "max_positions", "rotary_base")
         return {k: v for k, v in asdict(self).items() if k not in not_shape}

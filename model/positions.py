@@ -10,10 +10,10 @@ import torch
 from torch import Tensor, nn
 
 
-def sinusoidal_encoding(max_positions: int, d_model: int) -> Tensor:
-    """PE(pos, 2i) = sin(pos / 10000^(2i/d_model)), PE(pos, 2i+1) = cos(same); [max_positions, D]."""
+def sinusoidal_encoding(max_positions: int, d_model: int, base: float = 10000.0) -> Tensor:
+    """PE(pos, 2i) = sin(pos / base^(2i/d_model)), PE(pos, 2i+1) = cos(same); [max_positions, D]. Paper: base 10000."""
     pos = torch.arange(max_positions, dtype=torch.float64)[:, None]
-    div = torch.pow(10000.0, torch.arange(0, d_model, 2, dtype=torch.float64) / d_model)
+    div = torch.pow(float(base), torch.arange(0, d_model, 2, dtype=torch.float64) / d_model)
     pe = torch.zeros(max_positions, d_model, dtype=torch.float64)
     pe[:, 0::2] = torch.sin(pos / div)
     pe[:, 1::2] = torch.cos(pos / div)
@@ -22,13 +22,14 @@ def sinusoidal_encoding(max_positions: int, d_model: int) -> Tensor:
 
 class Rotary(nn.Module):
     """Rotary position embedding (Su et al. 2021, RoFormer; not in the paper): in self-attention, each pair
-    (2i, 2i+1) of a head's query and key is turned by the angle pos / 10000^(2i/d_k), the sinusoids' angles, so
-    q.k depends on the two positions only through their distance. Nothing is added to the embeddings. One
-    table, shared by every self-attention layer; cross-attention keeps its queries and keys as they are."""
+    (2i, 2i+1) of a head's query and key is turned by the angle pos / base^(2i/d_k), the sinusoids' angles when
+    base is their 10000, so q.k depends on the two positions only through their distance. A smaller base turns
+    more pairs by a full circle within a short sentence. Nothing is added to the embeddings. One table, shared by
+    every self-attention layer; cross-attention keeps its queries and keys as they are."""
 
-    def __init__(self, d_k: int, max_positions: int):
+    def __init__(self, d_k: int, max_positions: int, base: float = 10000.0):
         super().__init__()
-        angles = sinusoidal_encoding(max_positions, d_k)  # [P, d_k]: sin at even, cos at odd columns
+        angles = sinusoidal_encoding(max_positions, d_k, base)  # [P, d_k]: sin at even, cos at odd columns
         self.register_buffer("sin", angles[:, 0::2].contiguous(), persistent=False)  # [P, d_k / 2]
         self.register_buffer("cos", angles[:, 1::2].contiguous(), persistent=False)
 

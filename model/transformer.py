@@ -243,6 +243,9 @@ class Transformer(nn.Module):
         self.cfg, self.d_model, self.pad_id, self.max_positions = cfg, cfg.d_model, pad_id, cfg.max_positions
         self.embedding = nn.Embedding(vocab_size, cfg.d_model, padding_idx=pad_id)
         self.learned_pe = self.rotary = None
+        if cfg.positional_encoding != "rotary" and cfg.rotary_base != 10000.0:
+            raise ValueError(f"model.rotary_base: used by positional_encoding rotary only, got {cfg.rotary_base:g} with "
+                             f"positional_encoding {cfg.positional_encoding}: set it back to 10000 or use rotary")
         if cfg.positional_encoding == "sinusoidal":
             self.register_buffer("pe", sinusoidal_encoding(cfg.max_positions, cfg.d_model), persistent=False)
         elif cfg.positional_encoding == "learned":  # Table 3 row (E)
@@ -251,7 +254,7 @@ class Transformer(nn.Module):
             raise ValueError(f"model.positional_encoding=rotary turns pairs of a head's dimensions: model.d_k must be "
                              f"even, got {cfg.d_k}")
         else:
-            self.rotary = Rotary(cfg.d_k, cfg.max_positions)
+            self.rotary = Rotary(cfg.d_k, cfg.max_positions, cfg.rotary_base)
         self.encoder = nn.ModuleList(EncoderLayer(cfg, self.rotary) for _ in range(cfg.n_layers))
         self.decoder = nn.ModuleList(DecoderLayer(cfg, self.rotary) for _ in range(cfg.n_layers))
         self.dropout = Dropout(cfg.dropout)

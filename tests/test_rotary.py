@@ -20,12 +20,13 @@ def tiny_model(seed: int = 0, **overrides) -> Transformer:
     return Transformer(ModelConfig(**{**TINY, **overrides}), V).eval()
 
 
-def test_rotary_turns_each_pair_of_a_head_by_its_positions_angle():
+@pytest.mark.parametrize("base", [10000, 1000, 100])
+def test_rotary_turns_each_pair_of_a_head_by_its_positions_angle(base):
     d_k, heads, start = 8, 3, 5
     x = torch.randn(2, 4, heads * d_k)
-    out = Rotary(d_k, 64)(x, start)
-    for b, pos, h, i in [(0, 0, 0, 0), (1, 3, 2, 3), (0, 2, 1, 1)]:
-        angle = (start + pos) / 10000 ** (2 * i / d_k)
+    out = Rotary(d_k, 64, base)(x, start)
+    for b, pos, h, i in [(0, 0, 0, 0), (1, 3, 2, 3), (0, 2, 1, 1), (1, 1, 0, 2)]:
+        angle = (start + pos) / base ** (2 * i / d_k)
         pair = complex(*x[b, pos, h * d_k + 2 * i : h * d_k + 2 * i + 2].tolist())
         turned = pair * complex(math.cos(angle), math.sin(angle))
         got = out[b, pos, h * d_k + 2 * i : h * d_k + 2 * i + 2].tolist()
@@ -61,6 +62,26 @@ def test_the_encoder_sees_the_order_of_the_source():
         reversed_memory, _ = model.encode(src.flip(1))
     # Without positions, self-attention is order-blind: the reversed source's states would be the same, reversed.
     assert (reversed_memory.flip(1) - memory).abs().max() > 1e-2
+
+
+def test_model_rotary_base_sets_the_angles_of_every_self_attention_and_nothing_else():
+    default, small_base = tiny_model(), tiny_model(rotary_base=100)
+    assert ModelConfig(**TINY).rotary_base == 10000  # the sinusoids' base when absent, as in older checkpoints
+    torch.testing.assert_close(default.rotary.sin, Rotary(8, 64).sin)
+    torch.testing.assert_close(small_base.rotary.sin, Rotary(8, 64, 100).sin)
+    assert all(layer.self_attn.rotary is small_base.rotary for layer in [*small_base.encoder, *small_base.decoder])
+    assert ModelConfig(**TINY).shape() == ModelConfig(**TINY, rotary_base=100).shape()  # same parameters and FLOPs
+    # Same weights (same seed), other angles: the encoder's states differ.
+    src = torch.tensor([[4, 5, 6, 7, 8]])
+    with torch.no_grad():
+        assert (default.encode(src)[0] - small_base.encode(src)[0]).abs().max() > 1e-3
+
+
+def test_model_rotary_base_is_refused_without_rotary_positions():
+    with pytest.raises(ValueError, match="model.rotary_base: used by positional_encoding rotary only, got 1000 with "
+                                         "positional_encoding sinusoidal"):
+        tiny_model(positional_encoding="sinusoidal", rotary_base=1000)
+    tiny_model(positional_encoding="sinusoidal", rotary_base=10000)  # the default value is no choice
 
 
 def test_rotary_needs_an_even_d_k_and_a_known_name():
