@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 POSITIONAL_ENCODINGS = ("sinusoidal", "learned", "rotary")
+SINUSOID_BASE = 10000.0  # the sinusoids' base, pos / 10000^(2i/d_model) (Sec. 3.5)
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,7 @@ class ModelConfig:
     activation_dropout: float = field(default=0.0, metadata={"range": "[0, 1)"})
     # Not in the paper: the base b of the rotary angles pos / b^(2i/d_k), the sinusoids' 10000 (Sec. 3.5) when absent,
     # as in the checkpoints written before it. Used by positional_encoding "rotary" only.
-    rotary_base: float = field(default=10000.0, metadata={"range": "(1, inf)"})
+    rotary_base: float = field(default=SINUSOID_BASE, metadata={"range": "(1, inf)"})
 
     def shape(self) -> dict[str, int]:
         """The fields that set the parameter count and the FLOPs (Table 3's size columns)."""

@@ -9,8 +9,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from model.config import SINUSOID_BASE
 
-def sinusoidal_encoding(max_positions: int, d_model: int, base: float = 10000.0) -> Tensor:
+
+def sinusoidal_encoding(max_positions: int, d_model: int, base: float = SINUSOID_BASE) -> Tensor:
     """PE(pos, 2i) = sin(pos / base^(2i/d_model)), PE(pos, 2i+1) = cos(same); [max_positions, D]. Paper: base 10000."""
     pos = torch.arange(max_positions, dtype=torch.float64)[:, None]
     div = torch.pow(float(base), torch.arange(0, d_model, 2, dtype=torch.float64) / d_model)
@@ -27,7 +29,7 @@ class Rotary(nn.Module):
     more pairs by a full circle within a short sentence. Nothing is added to the embeddings. One table, shared by
     every self-attention layer; cross-attention keeps its queries and keys as they are."""
 
-    def __init__(self, d_k: int, max_positions: int, base: float = 10000.0):
+    def __init__(self, d_k: int, max_positions: int, base: float = SINUSOID_BASE):
         super().__init__()
         angles = sinusoidal_encoding(max_positions, d_k, base)  # [P, d_k]: sin at even, cos at odd columns
         self.register_buffer("sin", angles[:, 0::2].contiguous(), persistent=False)  # [P, d_k / 2]

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from model.config import POSITIONAL_ENCODINGS, ModelConfig
+from model.config import POSITIONAL_ENCODINGS, SINUSOID_BASE, ModelConfig
 from model.dropout import Dropout
 from model.positions import Rotary, sinusoidal_encoding
 
@@ -243,9 +243,9 @@ class Transformer(nn.Module):
         self.cfg, self.d_model, self.pad_id, self.max_positions = cfg, cfg.d_model, pad_id, cfg.max_positions
         self.embedding = nn.Embedding(vocab_size, cfg.d_model, padding_idx=pad_id)
         self.learned_pe = self.rotary = None
-        if cfg.positional_encoding != "rotary" and cfg.rotary_base != 10000.0:
+        if cfg.positional_encoding != "rotary" and cfg.rotary_base != SINUSOID_BASE:
             raise ValueError(f"model.rotary_base: used by positional_encoding rotary only, got {cfg.rotary_base:g} with "
-                             f"positional_encoding {cfg.positional_encoding}: set it back to 10000 or use rotary")
+                             f"positional_encoding {cfg.positional_encoding}: set it back to {SINUSOID_BASE:g} or use rotary")
         if cfg.positional_encoding == "sinusoidal":
             self.register_buffer("pe", sinusoidal_encoding(cfg.max_positions, cfg.d_model), persistent=False)
         elif cfg.positional_encoding == "learned":  # Table 3 row (E)
