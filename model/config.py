@@ -36,6 +36,17 @@ class ModelConfig:
     # as in the checkpoints written before it. Used by positional_encoding "rotary" only.
     rotary_base: float = field(default=SINUSOID_BASE, metadata={"range": "(1, inf)"})
 
+    def check_relations(self) -> None:
+        """The rules between fields, checked when params load (naming the file) and when a model is built: a
+        ValueError naming the key."""
+        if self.positional_encoding != "rotary" and self.rotary_base != SINUSOID_BASE:
+            raise ValueError(f"model.rotary_base: used by positional_encoding rotary only, got {self.rotary_base:g} "
+                             f"with positional_encoding {self.positional_encoding}: set it back to {SINUSOID_BASE:g} "
+                             "or use rotary")
+        if self.positional_encoding == "rotary" and self.d_k % 2:
+            raise ValueError("model.positional_encoding=rotary turns pairs of a head's dimensions: model.d_k must be "
+                             f"even, got {self.d_k}")
+
     def shape(self) -> dict[str, int]:
         """The fields that set the parameter count and the FLOPs (Table 3's size columns)."""
         not_shape = ("dropout", "activation_dropout", "positional_encoding", "max_positions", "rotary_base")

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from model.config import POSITIONAL_ENCODINGS, SINUSOID_BASE, ModelConfig
+from model.config import POSITIONAL_ENCODINGS, ModelConfig
 from model.dropout import Dropout
 from model.positions import Rotary, sinusoidal_encoding
 
@@ -240,19 +240,14 @@ class Transformer(nn.Module):
         if cfg.positional_encoding not in POSITIONAL_ENCODINGS:
             raise ValueError(f"model.positional_encoding: expected one of {', '.join(POSITIONAL_ENCODINGS)}, "
                              f"got {cfg.positional_encoding!r}")
+        cfg.check_relations()
         self.cfg, self.d_model, self.pad_id, self.max_positions = cfg, cfg.d_model, pad_id, cfg.max_positions
         self.embedding = nn.Embedding(vocab_size, cfg.d_model, padding_idx=pad_id)
         self.learned_pe = self.rotary = None
-        if cfg.positional_encoding != "rotary" and cfg.rotary_base != SINUSOID_BASE:
-            raise ValueError(f"model.rotary_base: used by positional_encoding rotary only, got {cfg.rotary_base:g} with "
-                             f"positional_encoding {cfg.positional_encoding}: set it back to {SINUSOID_BASE:g} or use rotary")
         if cfg.positional_encoding == "sinusoidal":
             self.register_buffer("pe", sinusoidal_encoding(cfg.max_positions, cfg.d_model), persistent=False)
         elif cfg.positional_encoding == "learned":  # Table 3 row (E)
             self.learned_pe = nn.Embedding(cfg.max_positions, cfg.d_model)
-        elif cfg.d_k % 2:
-            raise ValueError(f"model.positional_encoding=rotary turns pairs of a head's dimensions: model.d_k must be "
-                             f"even, got {cfg.d_k}")
         else:
             self.rotary = Rotary(cfg.d_k, cfg.max_positions, cfg.rotary_base)
         self.encoder = nn.ModuleList(EncoderLayer(cfg, self.rotary) for _ in range(cfg.n_layers))

@@ -151,3 +151,21 @@ def test_keeping_fewer_checkpoints_than_are_averaged_is_refused_by_the_params_ch
     assert len(out.stderr.splitlines()) == 1 and "Traceback" not in out.stderr
     ok = check_params_command(write_params(tmp_path, train__keep_checkpoints=5, average__last_n=5))
     assert ok.returncode == 0, ok.stderr
+
+
+def test_rotary_params_that_do_not_fit_together_are_refused_by_the_params_check(tmp_path):
+    """model.rotary_base only with rotary positions, and rotary positions only with an even d_k: refused when the
+    params load (one line naming the file and the key), not when a stage builds the model."""
+    path = tmp_path / "params.yaml"
+    for changes, message in [
+        (dict(model__positional_encoding="sinusoidal", model__rotary_base=1000),
+         "model.rotary_base: used by positional_encoding rotary only, got 1000 with positional_encoding sinusoidal"),
+        (dict(model__positional_encoding="rotary", model__d_k=7), "model.d_k must be even, got 7"),
+    ]:
+        out = check_params_command(write_params(tmp_path, **changes))
+        assert out.returncode == 2
+        assert out.stderr.startswith(f"config: error: {path}: model.") and message in out.stderr
+        assert len(out.stderr.splitlines()) == 1 and "Traceback" not in out.stderr
+    ok = check_params_command(write_params(tmp_path, model__positional_encoding="sinusoidal", model__rotary_base=10000,
+                                           model__d_k=7))
+    assert ok.returncode == 0, ok.stderr

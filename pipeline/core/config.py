@@ -266,6 +266,11 @@ def check_relations(obj: Any, key: str) -> None:
     """The rules between fields of one section."""
     if isinstance(obj, DataConfig) and obj.src_lang == obj.tgt_lang:
         raise ParamsError(f"{key}.tgt_lang = {obj.tgt_lang!r}: expected a language other than {key}.src_lang")
+    if isinstance(obj, ModelConfig):
+        try:
+            obj.check_relations()
+        except ValueError as e:
+            raise ParamsError(str(e)) from None
 
 
 def has_default(f: dataclasses.Field) -> bool:
