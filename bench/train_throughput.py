@@ -1,8 +1,9 @@
 """Training throughput: our training step against torch.nn.Transformer of the same size, same batches, same loss.
 
-    python -m bench.train_throughput [--steps 8] [--rounds 2] [--threads N]
+    python -m bench.train_throughput [OVERRIDE ...] [--steps 8] [--rounds 2] [--threads N]
 
-The default model (conf/ composed with no overrides: the `small` preset) with an
+The default model (conf/ composed with the OVERRIDEs, Hydra overrides as `dvc exp run -S` takes them, e.g.
+`model.positional_encoding=sinusoidal model.rotary_base=10000`; with none, the `small` preset) with an
 8000-token vocabulary, trained on synthetic batches shaped like Multi30k's
 (29000 pairs, source ~ 14 +- 5 tokens, target ~ 15 +- 6 and following the
 source, plus EOS/BOS), bucketed by pipeline.corpus.batching.make_batches at
@@ -82,9 +83,9 @@ def synthetic_corpus(pairs: int, seed: int = 0, vocab: int = VOCAB, mean: float 
     return out[0], out[1]
 
 
-def default_configs() -> tuple[ModelConfig, TrainConfig]:
-    """The default preset's model and train sections (conf/ composed with no overrides)."""
-    params = config.compose([])
+def default_configs(overrides: list[str] | tuple[str, ...] = ()) -> tuple[ModelConfig, TrainConfig]:
+    """The default preset's model and train sections (conf/ composed with `overrides`, none by default)."""
+    params = config.compose(list(overrides))
     return config.parse(params, "model", ModelConfig), config.parse(params, "train", TrainConfig)
 
 
@@ -144,12 +145,13 @@ def baseline_step(model: TorchTransformer, optimizer: torch.optim.Optimizer, bat
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("overrides", nargs="*", metavar="OVERRIDE", help="Hydra overrides of conf/, e.g. model.dropout=0.2")
     parser.add_argument("--steps", type=int, default=8, help="timed steps per round and model")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=distributed.available_cores())
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    cfg, train_cfg = default_configs()
+    cfg, train_cfg = default_configs(args.overrides)
     products = cpu_matmul.choose(train_cfg.cpu_matmul, torch.device("cpu"))
     cpu_matmul.use(products)
     attention.use(torch.device("cpu"))
