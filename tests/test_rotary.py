@@ -89,3 +89,27 @@ def test_rotary_needs_an_even_d_k_and_a_known_name():
         tiny_model(d_k=7)
     with pytest.raises(ValueError, match="model.positional_encoding: expected one of sinusoidal, learned, rotary"):
         tiny_model(positional_encoding="relative")
+
+
+
+def test_rotary_turns_fp32_as_complex_numbers_and_bf16_pair_by_pair_to_the_same_angles(monkeypatch):
+    rotary, start, d_k = Rotary(8, 64, 1000), 3, 8
+    x = torch.randn(2, 6, 3 * d_k, dtype=torch.float64)
+    grad_out = torch.randn_like(x)
+    assert torch.autograd.gradcheck(lambda t: rotary(t, start), (x.clone().requires_grad_(),))  # complex numbers
+    # The gradient of a turn is the same turn backwards: (g_even, g_odd) turned by minus the angle.
+    g_even, g_odd = grad_out.unflatten(-1, (-1, d_k // 2, 2)).unbind(-1)
+    sin, cos = rotary.sin[start : start + 6, None].double(), rotary.cos[start : start + 6, None].double()
+    turned_back = torch.stack((g_even * cos + g_odd * sin, g_odd * cos - g_even * sin), dim=-1).flatten(2)
+    for dtype, tolerance in ((torch.float64, 1e-12), (torch.float32, 1e-6), (torch.bfloat16, 2e-2)):
+        turned = x.to(dtype).detach().requires_grad_()
+        out = rotary(turned, start)  # complex numbers in fp64 and fp32, pair by pair in bf16
+        assert out.dtype == dtype and out.shape == x.shape
+        out.backward(grad_out.to(dtype))
+        torch.testing.assert_close(out.double(), rotary(x, start), rtol=tolerance, atol=tolerance)
+        torch.testing.assert_close(turned.grad.double(), turned_back, rtol=tolerance, atol=tolerance)
+    # Compiled graphs turn fp32 pair by pair too: the same numbers.
+    x32 = x.float()
+    complex_turn = rotary(x32, start)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    torch.testing.assert_close(rotary(x32, start), complex_turn, rtol=1e-6, atol=1e-6)
