@@ -11,8 +11,6 @@ from torch import Tensor, nn
 
 from model.config import SINUSOID_BASE
 
-COMPLEX = {torch.float32: torch.complex64, torch.float64: torch.complex128}  # dtypes Rotary turns as complex numbers
-
 
 def sinusoidal_encoding(max_positions: int, d_model: int, base: float = SINUSOID_BASE) -> Tensor:
     """PE(pos, 2i) = sin(pos / base^(2i/d_model)), PE(pos, 2i+1) = cos(same); [max_positions, D]. Paper: base 10000."""
@@ -36,7 +34,6 @@ class Rotary(nn.Module):
         angles = sinusoidal_encoding(max_positions, d_k, base)  # [P, d_k]: sin at even, cos at odd columns
         self.register_buffer("sin", angles[:, 0::2].contiguous(), persistent=False)  # [P, d_k / 2]
         self.register_buffer("cos", angles[:, 1::2].contiguous(), persistent=False)
-        self.register_buffer("turn", torch.complex(self.cos, self.sin), persistent=False)  # e^(i angle)
 
     def forward(self, x: Tensor, start: int) -> Tensor:
         """x [B, L, G * d_k], G heads' queries or keys side by side, at positions start..start+L-1 -> the same shape.
@@ -47,9 +44,9 @@ class Rotary(nn.Module):
         same rounded products and sums (equal to the bit on the x86 CPU measured, docs/benchmarks.md)."""
         L, half = x.shape[1], self.sin.shape[1]
         pairs = x.unflatten(-1, (-1, half, 2))  # [B, L, G, d_k / 2, 2]
-        if x.dtype in COMPLEX and not torch.compiler.is_compiling():
-            turn = self.turn[start : start + L, None].to(COMPLEX[x.dtype])
-            return torch.view_as_real(torch.view_as_complex(pairs) * turn).flatten(2)
-        even, odd = pairs.unbind(-1)  # [B, L, G, d_k / 2] each
         sin, cos = (t[start : start + L, None].to(x.dtype) for t in (self.sin, self.cos))
+        if x.dtype in (torch.float32, torch.float64) and not torch.compiler.is_compiling():
+            # e^(i angle) made here, not held: casting a module to a real dtype would drop a complex buffer's i.
+            return torch.view_as_real(torch.view_as_complex(pairs) * torch.complex(cos, sin)).flatten(2)
+        even, odd = pairs.unbind(-1)  # [B, L, G, d_k / 2] each
         return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(2)

@@ -113,3 +113,13 @@ def test_rotary_turns_fp32_as_complex_numbers_and_bf16_pair_by_pair_to_the_same_
     complex_turn = rotary(x32, start)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     torch.testing.assert_close(rotary(x32, start), complex_turn, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_rotary_model_cast_for_decoding_turns_as_before(dtype):
+    model = tiny_model()  # the translate stage casts the model to its decoding precision (fp32 on a CPU)
+    src = torch.tensor([[4, 5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        before = model.encode(src)[0].double()
+        model.to(dtype)
+        torch.testing.assert_close(model.encode(src)[0].double(), before, rtol=1e-5, atol=1e-5)
