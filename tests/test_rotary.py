@@ -91,7 +91,6 @@ def test_rotary_needs_an_even_d_k_and_a_known_name():
         tiny_model(positional_encoding="relative")
 
 
-
 def test_rotary_turns_fp32_as_complex_numbers_and_bf16_pair_by_pair_to_the_same_angles(monkeypatch):
     rotary, start, d_k = Rotary(8, 64, 1000), 3, 8
     x = torch.randn(2, 6, 3 * d_k, dtype=torch.float64)
