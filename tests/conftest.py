@@ -1,6 +1,7 @@
 """Test-wide environment: nothing phones home, nothing lands in the repo's own mlflow.db."""
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -57,3 +58,14 @@ def _private_peak_cache(tmp_path_factory):
         os.environ.pop("XDG_CACHE_HOME", None)
     else:
         os.environ["XDG_CACHE_HOME"] = before
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _signals_as_in_a_terminal():
+    """SIGINT raises KeyboardInterrupt and SIGHUP stops, as in a terminal, also where the suite started with them ignored
+    (a background job of a non-interactive shell, nohup): the signal tests send them to their own process."""
+    before = {signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler),
+              signal.SIGHUP: signal.signal(signal.SIGHUP, signal.SIG_DFL)}
+    yield
+    for sig, handler in before.items():
+        signal.signal(sig, handler)
