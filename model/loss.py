@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from model import torch_loss
+from model import rdrop, torch_loss
 from model.transformer import Transformer
 
 
@@ -300,11 +300,16 @@ class SmoothedLoss(nn.Module):
     kept to compare the two.
     """
 
-    def __init__(self, model: Transformer, label_smoothing: float, chunked: bool = True):
+    def __init__(self, model: Transformer, label_smoothing: float, chunked: bool = True, rdrop_alpha: float = 0.0):
         super().__init__()
         self.model, self.label_smoothing, self.chunked = model, label_smoothing, chunked
+        self.rdrop_alpha = rdrop_alpha  # > 0: R-Drop in training (model/rdrop.py)
 
     def forward(self, src: Tensor, tgt_in: Tensor, labels: Tensor, tokens: int) -> Tensor:
+        if self.rdrop_alpha > 0 and self.model.training:  # each pair twice, with two dropout masks
+            hidden, targets = real_hidden(self.model, torch.cat([src, src]), torch.cat([tgt_in, tgt_in]),
+                                          torch.cat([labels, labels]), 2 * tokens)
+            return rdrop.rdrop_loss(self.model.project(hidden), targets, self.label_smoothing, self.rdrop_alpha)
         hidden, targets = real_hidden(self.model, src, tgt_in, labels, tokens)
         if self.chunked:
             # model.project() is hidden @ embedding.weight^T (Sec. 3.4); test_train checks the two agree.

@@ -36,14 +36,21 @@ def test_every_preset_loads_strictly(experiment, tmp_path):
 def test_selecting_an_experiment_changes_every_value_it_sets(experiment):
     """Guards the Hydra pitfall: `_self_` after `experiment` would let the base win silently."""
     spec = yaml.safe_load((CONF_DIR / "experiment" / f"{experiment}.yaml").read_text())
+    composed = compose([f"experiment={experiment}"])
+    flat = flatten(composed)
+    for key, value in flatten({k: v for k, v in spec.items() if k != "defaults"}).items():
+        assert flat[key] == value, f"{experiment}: {key} = {flat[key]!r}, the preset sets {value!r}"
+    bases = [entry for entry in spec.get("defaults", []) if isinstance(entry, str)]
+    if bases:  # a preset on top of another: the other's values, but for those it sets
+        (base,) = bases
+        own = flatten({k: v for k, v in spec.items() if k != "defaults"})
+        assert {k: v for k, v in flatten(compose([f"experiment={base}"])).items() if k not in own} == {
+            k: v for k, v in flat.items() if k not in own}
+        return
     groups = {}
     for entry in spec.pop("defaults", []):
         (key, name), = entry.items()
         groups[key.removeprefix("override /")] = name
-    composed = compose([f"experiment={experiment}"])
-    flat = flatten(composed)
-    for key, value in flatten(spec).items():
-        assert flat[key] == value, f"{experiment}: {key} = {flat[key]!r}, the preset sets {value!r}"
     model_group = yaml.safe_load((CONF_DIR / "model" / f"{groups['model']}.yaml").read_text())
     for key, value in model_group.items():
         if f"model.{key}" not in flatten(spec):

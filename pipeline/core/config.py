@@ -167,6 +167,9 @@ class TrainConfig:
     micro_batch_tokens: int = field(default=0, metadata={"range": "[0, inf)"})
     # decoupled weight decay (AdamW) of the weight matrices and embeddings; 0 = none, the paper's Adam
     weight_decay: float = field(default=0.0, metadata={"range": "[0, inf)"})
+    # R-Drop's alpha (model/rdrop.py): each pair through the model twice, the two passes' distributions held
+    # together by a KL term; 0 = none, the paper's loss. Twice the training FLOPs a step
+    rdrop_alpha: float = field(default=0.0, metadata={"range": "[0, inf)"})
     # a CPU's matrix products: fp32 (the paper's; by oneDNN on AVX-512 without AMX, else torch's BLAS), blas (fp32 by
     # torch's BLAS), bf16 on AMX tiles with fp32 weights and sums, or auto (bf16 where the CPU has AMX, else fp32);
     # GPUs ignore it (pipeline/training/cpu_matmul.py)

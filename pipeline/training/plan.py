@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 
 MEMORY_SHARE = 0.8  # of the device's memory the plan fills; the rest: allocator slack, the loss's chunks, NCCL
 STATE_BYTES = 16  # a parameter: fp32 weight, gradient, and Adam's two moments
+RDROP_LOGIT_BYTES = 12  # R-Drop, a token and vocabulary entry: fp32 log-probability, its exp (the KL), its gradient
 # Saved bytes a padded token per layer, under autocast: per unit of d_model, and per unit of d_ff (one bf16
 # [tokens, d_ff] tensor a feed-forward); measured (module docstring, tests/test_plan.py).
 ENCODER_BYTES_PER_D_MODEL = 26
@@ -78,14 +79,19 @@ def parameters(cfg: ModelConfig, vocab_size: int) -> int:
         return sum(p.numel() for p in Transformer(cfg, vocab_size).parameters())
 
 
-def tokens_for_memory(cfg: ModelConfig, vocab_size: int, memory_bytes: float) -> int:
-    """Padded tokens a micro-batch may hold on a device of `memory_bytes` (0 when even the weights do not fit)."""
+def tokens_for_memory(cfg: ModelConfig, vocab_size: int, memory_bytes: float, passes: int = 1) -> int:
+    """Padded tokens a micro-batch may hold on a device of `memory_bytes` (0 when even the weights do not fit).
+
+    passes = 2 (R-Drop, model/rdrop.py): each token's activations twice, and its two passes' fp32
+    log-probabilities whole, RDROP_LOGIT_BYTES a vocabulary entry (counted, not measured)."""
     free = MEMORY_SHARE * memory_bytes - STATE_BYTES * parameters(cfg, vocab_size)
-    return max(0, int(free // activation_bytes(cfg)))
+    per_token = activation_bytes(cfg) + (RDROP_LOGIT_BYTES * vocab_size if passes > 1 else 0)
+    return max(0, int(free // (passes * per_token)))
 
 
-def micro_batch_tokens(setting: int, cfg: ModelConfig, vocab_size: int, device: torch.device) -> int:
-    """The budget of padded tokens a micro-batch: the param when set, else 0 (no cap) on a CPU, else from memory."""
+def micro_batch_tokens(setting: int, cfg: ModelConfig, vocab_size: int, device: torch.device, passes: int = 1) -> int:
+    """The budget of padded tokens a micro-batch: the param when set, else 0 (no cap) on a CPU, else from memory
+    (for `passes` passes of each pair: tokens_for_memory)."""
     if setting > 0:
         log.info("micro-batches of at most %d padded tokens (train.micro_batch_tokens)", setting)
         return setting
@@ -93,7 +99,7 @@ def micro_batch_tokens(setting: int, cfg: ModelConfig, vocab_size: int, device: 
         log.info("micro-batches: each piece of a step whole (a CPU; train.micro_batch_tokens caps them)")
         return 0
     memory = torch.cuda.get_device_properties(device).total_memory
-    budget = max(1, tokens_for_memory(cfg, vocab_size, memory))
+    budget = max(1, tokens_for_memory(cfg, vocab_size, memory, passes))
     log.info("micro-batches of at most %d padded tokens: %.0f GiB of device memory, ~%.2f MiB a token "
              "(pipeline/training/plan.py; train.micro_batch_tokens overrides)", budget, memory / 2**30,
              activation_bytes(cfg) / 2**20)

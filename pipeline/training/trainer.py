@@ -45,6 +45,7 @@ from torch import Tensor, nn
 from pipeline.progress import progress_bar
 
 from model import flops as flops_lib
+from model import rdrop
 from model.config import ModelConfig
 from model.loss import SmoothedLoss
 from model.schedule import lrate
@@ -109,13 +110,15 @@ class Trainer(RunCheckpoints):
         # train.cuda_graphs: the same layers compiled, replayed as CUDA graphs (graphs.py).
         self.compiled = (compiled.compile_layers(self.model, graphs.mode(cfg.cuda_graphs))
                          if cfg.compile or cfg.cuda_graphs else [])
-        self.loss_model: nn.Module = SmoothedLoss(self.model, cfg.label_smoothing)  # chunked: no [N, V] logits (model/loss.py)
+        # chunked: no [N, V] logits (model/loss.py), but with R-Drop (model/rdrop.py)
+        self.loss_model: nn.Module = SmoothedLoss(self.model, cfg.label_smoothing, rdrop_alpha=cfg.rdrop_alpha)
         if ctx.world > 1 or torch.distributed.is_initialized():  # a group of one too: bench.gpu_check times DDP
             self.loss_model = distributed.ddp(self.loss_model, ctx)  # no buffer sync per forward, on any torch
         # Steps, validation and the rest of the process: the SDPA kernels chosen on CUDA (none changed on a CPU).
         self.attention_kernels = attention.use(ctx.device)
         log.info("attention: %s", self.attention_kernels)
-        budget = plan.micro_batch_tokens(cfg.micro_batch_tokens, model_cfg, data.vocab_size, ctx.device)
+        budget = plan.micro_batch_tokens(cfg.micro_batch_tokens, model_cfg, data.vocab_size, ctx.device,
+                                         rdrop.passes(cfg.rdrop_alpha))
         self.prefetch = Prefetcher(lambda share: data.micro_batches(*share, ctx.device, self.parts, budget), ctx.device)
         self.valid, left_out = data.valid_share(ctx.rank, ctx.world, model_cfg.max_positions, ctx.device)
         if left_out:
@@ -175,7 +178,8 @@ class Trainer(RunCheckpoints):
         p.train_tokens += int(T.sum())
         p.src_tokens += int(S.sum())
         p.step_tokens_range = widen(p.step_tokens_range, int(S.sum()), int(T.sum()))
-        p.flops += flops_lib.training_flops(self.model_cfg, self.data.vocab_size, S, T)
+        p.flops += rdrop.passes(self.cfg.rdrop_alpha) * flops_lib.training_flops(self.model_cfg, self.data.vocab_size,
+                                                                                 S, T)
         trace(ctx, p.step, mine[0], self.model)
         return loss_sum, sum(b.tokens for b, real in micro if real), lr
 

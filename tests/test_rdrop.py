@@ -1,0 +1,106 @@
+"""train.rdrop_alpha (model/rdrop.py): R-Drop's loss, its two passes, and the train stage's records of it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model.config import ModelConfig
+from model.loss import SmoothedLoss
+from model.rdrop import rdrop_loss
+from model.transformer import Transformer
+from pipeline.core.config import ParamsError, TrainConfig, parse
+from pipeline.training import plan
+from tests.train_fixtures import MODEL, TRAIN, VOCAB, final_weights, run_stage, write_corpus, write_params
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+EPS = 0.1
+
+
+def kl(p_log: torch.Tensor, q_log: torch.Tensor) -> torch.Tensor:
+    """KL(P || Q) summed over rows, from the definition."""
+    return (p_log.exp() * (p_log - q_log)).sum()
+
+
+def test_the_loss_is_the_mean_smoothed_ce_of_the_two_passes_plus_alpha_over_4_times_both_kls():
+    g = torch.Generator().manual_seed(0)
+    n, v, alpha = 7, 11, 5.0
+    logits, targets = torch.randn(2 * n, v, generator=g) * 3, torch.randint(0, v, (n,), generator=g)
+    both = torch.cat([targets, targets])
+    ce = [F.cross_entropy(half, targets, label_smoothing=EPS, reduction="sum") for half in logits.split(n)]
+    lp1, lp2 = F.log_softmax(logits[:n], -1), F.log_softmax(logits[n:], -1)
+    expected = (ce[0] + ce[1]) / 2 + alpha / 4 * (kl(lp1, lp2) + kl(lp2, lp1))
+    torch.testing.assert_close(rdrop_loss(logits, both, EPS, alpha), expected)
+    # two equal passes: no KL, and alpha changes nothing
+    same = torch.cat([logits[:n], logits[:n]])
+    torch.testing.assert_close(rdrop_loss(same, both, EPS, alpha), ce[0])
+    torch.testing.assert_close(rdrop_loss(same, both, EPS, 0.0), ce[0])
+
+
+def batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """A padded batch of 3 pairs (PAD = 0) and its real target tokens."""
+    g = torch.Generator().manual_seed(seed)
+    src = torch.randint(4, VOCAB, (3, 6), generator=g)
+    tgt = torch.randint(4, VOCAB, (3, 5), generator=g)
+    src[0, 4:], tgt[1, 3:] = 0, 0
+    labels = torch.cat([tgt[:, 1:], torch.zeros(3, 1, dtype=tgt.dtype)], dim=1)
+    labels[1, 2:] = 0
+    return src, tgt, labels, int((labels != 0).sum())
+
+
+def model(dropout: float) -> Transformer:
+    torch.manual_seed(0)
+    return Transformer(ModelConfig(**{**MODEL, "dropout": dropout}), VOCAB)
+
+
+def test_without_dropout_the_two_passes_agree_and_the_loss_is_the_plain_one():
+    src, tgt_in, labels, tokens = batch()
+    net = model(0.0).train()
+    plain = SmoothedLoss(net, EPS)(src, tgt_in, labels, tokens)
+    torch.testing.assert_close(SmoothedLoss(net, EPS, rdrop_alpha=5.0)(src, tgt_in, labels, tokens), plain)
+
+
+def test_with_dropout_each_pass_draws_its_own_masks_and_the_kl_trains_both():
+    src, tgt_in, labels, tokens = batch()
+    net = model(0.3).train()
+    torch.manual_seed(1)
+    without_kl = SmoothedLoss(net, EPS, rdrop_alpha=1e-12)(src, tgt_in, labels, tokens)
+    torch.manual_seed(1)
+    with_kl = SmoothedLoss(net, EPS, rdrop_alpha=5.0)(src, tgt_in, labels, tokens)
+    assert with_kl > without_kl + 1e-3  # the passes differ: a positive KL
+    with_kl.backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in net.parameters() if p.dim() >= 2)
+    # in evaluation (validation, translation) one pass, the plain loss
+    net.eval()
+    torch.testing.assert_close(SmoothedLoss(net, EPS, rdrop_alpha=5.0)(src, tgt_in, labels, tokens),
+                               SmoothedLoss(net, EPS)(src, tgt_in, labels, tokens))
+
+
+def test_a_negative_alpha_is_refused_naming_the_key():
+    with pytest.raises(ParamsError, match=r"train\.rdrop_alpha"):
+        parse({"train": {**TRAIN, "rdrop_alpha": -1.0}}, "train", TrainConfig)
+
+
+def test_a_gpu_micro_batch_holds_fewer_tokens_with_two_passes():
+    cfg = ModelConfig(**{**MODEL, "d_model": 512, "d_ff": 2048, "n_layers": 6, "n_heads": 8, "d_k": 64, "d_v": 64})
+    one, two = (plan.tokens_for_memory(cfg, 37000, 80e9, passes) for passes in (1, 2))
+    assert 0 < two < one / 2
+
+
+def train(root: Path, **train) -> tuple[dict, dict]:
+    write_corpus(root)
+    metrics = run_stage(root, write_params(root / "params.yaml", model={"dropout": 0.2}, **train))
+    return metrics, final_weights(root)
+
+
+def test_the_train_stage_counts_two_passes_of_flops_and_trains_other_weights(tmp_path):
+    plain, plain_weights = train(tmp_path / "plain")
+    rdrop, rdrop_weights = train(tmp_path / "rdrop", rdrop_alpha=5.0)
+    again, again_weights = train(tmp_path / "again", rdrop_alpha=5.0)
+    assert rdrop["train_tokens"] == plain["train_tokens"] > 0  # the data's tokens, each counted once
+    assert rdrop["flops_analytic"] == pytest.approx(2 * plain["flops_analytic"], rel=1e-12)
+    assert any(not torch.equal(plain_weights[k], rdrop_weights[k]) for k in plain_weights)
+    assert all(torch.equal(rdrop_weights[k], again_weights[k]) for k in rdrop_weights)  # deterministic
