@@ -7,10 +7,12 @@ model/torch_loss.py's loss_path routes to ProjectedSmoothedLoss (ours, chunk
 by chunk of rows, its matrix products in autocast's precision) or to torch's
 F.linear_cross_entropy where that computes this loss chunked. On GPUs ours
 computes each full chunk with one compiled function (fused_chunk: a few passes
-over the chunk's logits, not ten); on CPUs eagerly. Validation's loss and NLL are chunked the same way,
-without gradients (projected_smoothed_and_nll). Nothing here reads a tensor's
-value or copies a Python number to the device: a GPU step never waits on the
-host (tests/test_step_syncs.py).
+over the chunk's logits, not ten); on CPUs eagerly. Validation's loss and NLL
+are chunked the same way, without gradients (projected_smoothed_and_nll).
+R-Drop (train.rdrop_alpha > 0, model/rdrop.py) is the exception: its KL term
+needs both passes' whole distributions, so SmoothedLoss then builds the
+[2N, V] logits. Nothing here reads a tensor's value or copies a Python number
+to the device: a GPU step never waits on the host (tests/test_step_syncs.py).
 """
 
 from __future__ import annotations
@@ -293,6 +295,7 @@ class SmoothedLoss(nn.Module):
     # F.cross_entropy's label_smoothing). tensor2tensor gives the true token 1 - eps and eps / (V - 1)
     # to each other id: a difference of eps / V, 2.7e-6 at V = 37000.
 
+    `rdrop_alpha` > 0 runs each training batch twice (model/rdrop.py, whole logits); evaluation runs it once.
     `chunked` (the default, CPUs and GPUs alike) computes the projection and the
     loss with projected_smoothed_loss, chunk by chunk, in autocast's precision
     where autocast is on; False builds the whole logits, model.project() then

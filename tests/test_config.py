@@ -38,12 +38,12 @@ def test_selecting_an_experiment_changes_every_value_it_sets(experiment):
     spec = yaml.safe_load((CONF_DIR / "experiment" / f"{experiment}.yaml").read_text())
     composed = compose([f"experiment={experiment}"])
     flat = flatten(composed)
-    for key, value in flatten({k: v for k, v in spec.items() if k != "defaults"}).items():
+    own = flatten({k: v for k, v in spec.items() if k != "defaults"})
+    for key, value in own.items():
         assert flat[key] == value, f"{experiment}: {key} = {flat[key]!r}, the preset sets {value!r}"
     bases = [entry for entry in spec.get("defaults", []) if isinstance(entry, str)]
     if bases:  # a preset on top of another: the other's values, but for those it sets
         (base,) = bases
-        own = flatten({k: v for k, v in spec.items() if k != "defaults"})
         assert {k: v for k, v in flatten(compose([f"experiment={base}"])).items() if k not in own} == {
             k: v for k, v in flat.items() if k not in own}
         return
