@@ -63,11 +63,12 @@ class HostTraffic(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.fixture
-def trainer(tmp_path):
+@pytest.fixture(params=[0.0, 5.0], ids=["plain", "rdrop"])
+def trainer(tmp_path, request):
+    """The train stage's Trainer, with the paper's loss and with R-Drop's (each pair twice, a KL term)."""
     data = TrainingData.load(*write_corpus(tmp_path))
-    return Trainer(data, ModelConfig(**MODEL), TrainConfig(**TRAIN), 24, distributed.Dist(0, 1, 0, CPU), StageRun(),
-                   phash="")
+    cfg = TrainConfig(**{**TRAIN, "rdrop_alpha": request.param})
+    return Trainer(data, ModelConfig(**MODEL), cfg, 24, distributed.Dist(0, 1, 0, CPU), StageRun(), phash="")
 
 
 @pytest.mark.parametrize("action", [
