@@ -295,7 +295,8 @@ class SmoothedLoss(nn.Module):
     # F.cross_entropy's label_smoothing). tensor2tensor gives the true token 1 - eps and eps / (V - 1)
     # to each other id: a difference of eps / V, 2.7e-6 at V = 37000.
 
-    `rdrop_alpha` > 0 runs each training batch twice (model/rdrop.py, whole logits); evaluation runs it once.
+    `rdrop_alpha` > 0 runs each training batch twice, or its share `rdrop_fraction` of the rows (model/rdrop.py,
+    whole logits); evaluation runs it once.
     `chunked` (the default, CPUs and GPUs alike) computes the projection and the
     loss with projected_smoothed_loss, chunk by chunk, in autocast's precision
     where autocast is on; False builds the whole logits, model.project() then
@@ -303,12 +304,26 @@ class SmoothedLoss(nn.Module):
     kept to compare the two.
     """
 
-    def __init__(self, model: Transformer, label_smoothing: float, chunked: bool = True, rdrop_alpha: float = 0.0):
+    def __init__(self, model: Transformer, label_smoothing: float, chunked: bool = True, rdrop_alpha: float = 0.0,
+                 rdrop_fraction: float = 1.0):
         super().__init__()
         self.model, self.label_smoothing, self.chunked = model, label_smoothing, chunked
         self.rdrop_alpha = rdrop_alpha  # > 0: R-Drop in training (model/rdrop.py)
+        self.rdrop_fraction = rdrop_fraction  # of each batch's rows that pass twice
 
     def forward(self, src: Tensor, tgt_in: Tensor, labels: Tensor, tokens: int) -> Tensor:
+        pairs = None
+        if self.rdrop_alpha > 0 and self.model.training:
+            pairs = rdrop.paired_rows(src.shape[0], self.rdrop_fraction, src.device)
+        if pairs is not None:  # those rows twice, with two dropout masks: their second passes after the batch
+            rows = src.shape[0]
+            memory, src_mask = self.model.encode(torch.cat([src, src[pairs]]))
+            hidden = self.model.decode(torch.cat([tgt_in, tgt_in[pairs]]), memory, src_mask)  # [B + k, T, D]
+            real = torch.nonzero_static((labels != self.model.pad_id).flatten(), size=tokens)[:, 0]
+            once = projected_smoothed_loss(hidden[:rows].flatten(0, 1)[real], self.model.embedding.weight,
+                                           labels.flatten()[real], self.label_smoothing)
+            return once + rdrop.pair_terms(self.model.project(hidden[pairs]), self.model.project(hidden[rows:]),
+                                           labels[pairs], self.model.pad_id, self.label_smoothing, self.rdrop_alpha)
         if self.rdrop_alpha > 0 and self.model.training:  # each pair twice, with two dropout masks
             hidden, targets = real_hidden(self.model, torch.cat([src, src]), torch.cat([tgt_in, tgt_in]),
                                           torch.cat([labels, labels]), 2 * tokens)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from model.config import ModelConfig
 from model.loss import SmoothedLoss
-from model.rdrop import rdrop_loss
+from model.rdrop import pair_terms, paired_rows, rdrop_loss
 from model.transformer import Transformer
 from pipeline.core.config import ParamsError, TrainConfig, parse
 from pipeline.training import plan
@@ -84,10 +84,68 @@ def test_a_negative_alpha_is_refused_naming_the_key():
         parse({"train": {**TRAIN, "rdrop_alpha": -1.0}}, "train", TrainConfig)
 
 
-def test_a_gpu_micro_batch_holds_fewer_tokens_with_two_passes():
+@pytest.mark.parametrize("fraction", [0.0, 1.5])
+def test_a_fraction_outside_0_to_1_is_refused_naming_the_key(fraction):
+    with pytest.raises(ParamsError, match=r"train\.rdrop_fraction"):
+        parse({"train": {**TRAIN, "rdrop_alpha": 5.0, "rdrop_fraction": fraction}}, "train", TrainConfig)
+
+
+def test_paired_rows_are_all_rows_at_fraction_1_else_distinct_rows_drawn_from_torchs_generator():
+    assert paired_rows(8, 1.0, torch.device("cpu")) is None
+    torch.manual_seed(3)
+    rows = paired_rows(8, 0.25, torch.device("cpu"))
+    assert rows.tolist() != [] and len(set(rows.tolist())) == len(rows) == 2 and 0 <= rows.min() <= rows.max() < 8
+    torch.manual_seed(3)
+    assert torch.equal(paired_rows(8, 0.25, torch.device("cpu")), rows)  # the generator's state rules the draw
+    assert len(paired_rows(3, 0.01, torch.device("cpu"))) == 1  # at least one
+
+
+def test_pair_terms_are_half_the_second_minus_the_first_smoothed_ce_plus_alpha_over_4_times_both_kls():
+    g = torch.Generator().manual_seed(2)
+    first, second = (torch.randn(2, 5, 11, generator=g) * 3 for _ in range(2))
+    labels = torch.randint(1, 11, (2, 5), generator=g)
+    labels[1, 2:] = 0  # PAD: no token there
+    real = labels != 0
+    lp1, lp2 = F.log_softmax(first[real], -1), F.log_softmax(second[real], -1)
+    ce = [F.cross_entropy(z[real], labels[real], label_smoothing=EPS, reduction="sum") for z in (first, second)]
+    expected = (ce[1] - ce[0]) / 2 + 5.0 / 4 * (kl(lp1, lp2) + kl(lp2, lp1))
+    torch.testing.assert_close(pair_terms(first, second, labels, 0, EPS, 5.0), expected)
+
+
+def test_with_a_fraction_the_drawn_rows_take_r_drops_loss_and_the_others_the_plain_one():
+    src, tgt_in, labels, tokens = batch()
+    net = model(0.3).train()
+    torch.manual_seed(5)
+    loss = SmoothedLoss(net, EPS, rdrop_alpha=5.0, rdrop_fraction=0.34)(src, tgt_in, labels, tokens)
+    torch.manual_seed(5)  # the same draw of rows, then the same dropout masks in the same order
+    pairs = paired_rows(3, 0.34, torch.device("cpu"))
+    logits = net(torch.cat([src, src[pairs]]), torch.cat([tgt_in, tgt_in[pairs]]))  # [3 + 1, T, V]
+    once = [r for r in range(3) if r not in pairs.tolist()]
+    real_once = labels[once] != 0
+    plain = F.cross_entropy(logits[once][real_once], labels[once][real_once], label_smoothing=EPS, reduction="sum")
+    both, both_labels = torch.cat([logits[pairs], logits[3:]]), labels[pairs].repeat(2, 1)
+    real = both_labels != 0
+    torch.testing.assert_close(loss, plain + rdrop_loss(both[real], both_labels[real], EPS, 5.0))
+
+
+def test_a_fraction_of_the_rows_without_dropout_gives_the_plain_loss_and_with_it_a_kl():
+    src, tgt_in, labels, tokens = batch()
+    net = model(0.0).train()
+    plain = SmoothedLoss(net, EPS)(src, tgt_in, labels, tokens)
+    torch.testing.assert_close(SmoothedLoss(net, EPS, rdrop_alpha=5.0, rdrop_fraction=0.5)(src, tgt_in, labels, tokens),
+                               plain)
+    net = model(0.3).train()
+    torch.manual_seed(1)
+    without_kl = SmoothedLoss(net, EPS, rdrop_alpha=1e-12, rdrop_fraction=0.5)(src, tgt_in, labels, tokens)
+    torch.manual_seed(1)
+    with_kl = SmoothedLoss(net, EPS, rdrop_alpha=5.0, rdrop_fraction=0.5)(src, tgt_in, labels, tokens)
+    assert with_kl > without_kl + 1e-3
+
+
+def test_a_gpu_micro_batch_holds_fewer_tokens_the_more_rows_pass_twice():
     cfg = ModelConfig(**{**MODEL, "d_model": 512, "d_ff": 2048, "n_layers": 6, "n_heads": 8, "d_k": 64, "d_v": 64})
-    one, two = (plan.tokens_for_memory(cfg, 37000, 80e9, passes) for passes in (1, 2))
-    assert 0 < two < one / 2
+    one, part, two = (plan.tokens_for_memory(cfg, 37000, 80e9, passes) for passes in (1, 1.25, 2))
+    assert 0 < two < one / 2 and two < part < one / 1.25  # a quarter of the rows twice: between the two
 
 
 def train(root: Path, **train) -> tuple[dict, dict]:
@@ -104,3 +162,6 @@ def test_the_train_stage_counts_two_passes_of_flops_and_trains_other_weights(tmp
     assert rdrop["flops_analytic"] == pytest.approx(2 * plain["flops_analytic"], rel=1e-12)
     assert any(not torch.equal(plain_weights[k], rdrop_weights[k]) for k in plain_weights)
     assert all(torch.equal(rdrop_weights[k], again_weights[k]) for k in rdrop_weights)  # deterministic
+    part, part_weights = train(tmp_path / "part", rdrop_alpha=5.0, rdrop_fraction=0.5)
+    assert part["flops_analytic"] == pytest.approx(1.5 * plain["flops_analytic"], rel=1e-12)
+    assert any(not torch.equal(part_weights[k], rdrop_weights[k]) for k in part_weights)

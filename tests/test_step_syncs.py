@@ -63,11 +63,13 @@ class HostTraffic(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.fixture(params=[0.0, 5.0], ids=["plain", "rdrop"])
+@pytest.fixture(params=[(0.0, 1.0), (5.0, 1.0), (5.0, 0.5)], ids=["plain", "rdrop", "rdrop_half"])
 def trainer(tmp_path, request):
-    """The train stage's Trainer, with the paper's loss and with R-Drop's (each pair twice, a KL term)."""
+    """The train stage's Trainer, with the paper's loss and with R-Drop's (each pair twice, or half the rows
+    drawn each step, a KL term)."""
     data = TrainingData.load(*write_corpus(tmp_path))
-    cfg = TrainConfig(**{**TRAIN, "rdrop_alpha": request.param})
+    alpha, fraction = request.param
+    cfg = TrainConfig(**{**TRAIN, "rdrop_alpha": alpha, "rdrop_fraction": fraction})
     return Trainer(data, ModelConfig(**MODEL), cfg, 24, distributed.Dist(0, 1, 0, CPU), StageRun(), phash="")
 
 

@@ -170,6 +170,8 @@ class TrainConfig:
     # R-Drop's alpha (model/rdrop.py): each pair through the model twice, the two passes' distributions held
     # together by a KL term; 0 = none, the paper's loss. Twice the training FLOPs a step
     rdrop_alpha: float = field(default=0.0, metadata={"range": "[0, inf)"})
+    # the share of each batch's rows that pass twice with R-Drop (drawn anew each step); 1 = all of them
+    rdrop_fraction: float = field(default=1.0, metadata={"range": "(0, 1]"})
     # a CPU's matrix products: fp32 (the paper's; by oneDNN on AVX-512 without AMX, else torch's BLAS), blas (fp32 by
     # torch's BLAS), bf16 on AMX tiles with fp32 weights and sums, or auto (bf16 where the CPU has AMX, else fp32);
     # GPUs ignore it (pipeline/training/cpu_matmul.py)

@@ -79,17 +79,18 @@ def parameters(cfg: ModelConfig, vocab_size: int) -> int:
         return sum(p.numel() for p in Transformer(cfg, vocab_size).parameters())
 
 
-def tokens_for_memory(cfg: ModelConfig, vocab_size: int, memory_bytes: float, passes: int = 1) -> int:
+def tokens_for_memory(cfg: ModelConfig, vocab_size: int, memory_bytes: float, passes: float = 1) -> int:
     """Padded tokens a micro-batch may hold on a device of `memory_bytes` (0 when even the weights do not fit).
 
-    passes = 2 (R-Drop, model/rdrop.py): each token's activations twice, and its two passes' fp32
-    log-probabilities whole, RDROP_LOGIT_BYTES a vocabulary entry (counted, not measured)."""
+    passes = 1 + f (R-Drop, model/rdrop.py, a share f of the rows twice): those rows' activations twice, and
+    their two passes' fp32 log-probabilities whole, RDROP_LOGIT_BYTES a vocabulary entry (counted, not measured)."""
     free = MEMORY_SHARE * memory_bytes - STATE_BYTES * parameters(cfg, vocab_size)
-    per_token = activation_bytes(cfg) + (RDROP_LOGIT_BYTES * vocab_size if passes > 1 else 0)
-    return max(0, int(free // (passes * per_token)))
+    per_token = passes * activation_bytes(cfg) + 2 * (passes - 1) * RDROP_LOGIT_BYTES * vocab_size
+    return max(0, int(free // per_token))
 
 
-def micro_batch_tokens(setting: int, cfg: ModelConfig, vocab_size: int, device: torch.device, passes: int = 1) -> int:
+def micro_batch_tokens(setting: int, cfg: ModelConfig, vocab_size: int, device: torch.device,
+                       passes: float = 1) -> int:
     """The budget of padded tokens a micro-batch: the param when set, else 0 (no cap) on a CPU, else from memory
     (for `passes` passes of each pair: tokens_for_memory)."""
     if setting > 0:

@@ -111,14 +111,15 @@ class Trainer(RunCheckpoints):
         self.compiled = (compiled.compile_layers(self.model, graphs.mode(cfg.cuda_graphs))
                          if cfg.compile or cfg.cuda_graphs else [])
         # chunked: no [N, V] logits (model/loss.py), but with R-Drop (model/rdrop.py)
-        self.loss_model: nn.Module = SmoothedLoss(self.model, cfg.label_smoothing, rdrop_alpha=cfg.rdrop_alpha)
+        self.loss_model: nn.Module = SmoothedLoss(self.model, cfg.label_smoothing, rdrop_alpha=cfg.rdrop_alpha,
+                                                        rdrop_fraction=cfg.rdrop_fraction)
         if ctx.world > 1 or torch.distributed.is_initialized():  # a group of one too: bench.gpu_check times DDP
             self.loss_model = distributed.ddp(self.loss_model, ctx)  # no buffer sync per forward, on any torch
         # Steps, validation and the rest of the process: the SDPA kernels chosen on CUDA (none changed on a CPU).
         self.attention_kernels = attention.use(ctx.device)
         log.info("attention: %s", self.attention_kernels)
         budget = plan.micro_batch_tokens(cfg.micro_batch_tokens, model_cfg, data.vocab_size, ctx.device,
-                                         rdrop.passes(cfg.rdrop_alpha))
+                                         rdrop.passes(cfg.rdrop_alpha, cfg.rdrop_fraction))
         self.prefetch = Prefetcher(lambda share: data.micro_batches(*share, ctx.device, self.parts, budget), ctx.device)
         self.valid, left_out = data.valid_share(ctx.rank, ctx.world, model_cfg.max_positions, ctx.device)
         if left_out:
@@ -178,7 +179,7 @@ class Trainer(RunCheckpoints):
         p.train_tokens += int(T.sum())
         p.src_tokens += int(S.sum())
         p.step_tokens_range = widen(p.step_tokens_range, int(S.sum()), int(T.sum()))
-        p.flops += rdrop.passes(self.cfg.rdrop_alpha) * flops_lib.training_flops(self.model_cfg, self.data.vocab_size,
+        p.flops += rdrop.passes(self.cfg.rdrop_alpha, self.cfg.rdrop_fraction) * flops_lib.training_flops(self.model_cfg, self.data.vocab_size,
                                                                                  S, T)
         trace(ctx, p.step, mine[0], self.model)
         return loss_sum, sum(b.tokens for b, real in micro if real), lr
