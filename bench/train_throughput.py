@@ -99,8 +99,10 @@ def synthetic_batches(max_tokens: int, count: int) -> tuple[Ragged, Ragged, list
 
 
 def our_step(model: Transformer, train_cfg: TrainConfig, lr: float = 1e-4) -> Callable[[Batch], None]:
-    """One training step of `model` as the train stage runs it on a CPU (chunked loss, fused Adam, fp32)."""
-    loss_model = SmoothedLoss(model, train_cfg.label_smoothing, chunked=True)
+    """One training step of `model` as the train stage runs it on a CPU (chunked loss, fused Adam, fp32; R-Drop
+    as train_cfg sets it)."""
+    loss_model = SmoothedLoss(model, train_cfg.label_smoothing, chunked=True, rdrop_alpha=train_cfg.rdrop_alpha,
+                              rdrop_fraction=train_cfg.rdrop_fraction)
     optimizer = build_optimizer(model, train_cfg)
     ctx, scaler = distributed.Dist(0, 1, 0, torch.device("cpu")), torch.amp.GradScaler("cpu", enabled=False)
     return lambda b: train_step(loss_model, optimizer, [(b, True)], b.tokens, lr, ctx, contextlib.nullcontext(), scaler)

@@ -38,9 +38,13 @@ def real_hidden(model: Transformer, src: Tensor, tgt_in: Tensor, labels: Tensor,
     never waits for the GPU as a boolean mask's unknown size would.
     """
     memory, src_mask = model.encode(src)
-    hidden = model.decode(tgt_in, memory, src_mask)  # [B, T, D]
-    real = torch.nonzero_static((labels != model.pad_id).flatten(), size=tokens)[:, 0]  # row-major, as hidden[mask]
-    return hidden.flatten(0, 1)[real], labels.flatten()[real]  # [B, T, D] -> [N, D]
+    return real_rows(model.decode(tgt_in, memory, src_mask), labels, model.pad_id, tokens)
+
+
+def real_rows(hidden: Tensor, labels: Tensor, pad_id: int, tokens: int) -> tuple[Tensor, Tensor]:
+    """hidden [B, T, D] and labels [B, T] at their N = `tokens` real (non-pad) positions: [N, D], [N]."""
+    real = torch.nonzero_static((labels != pad_id).flatten(), size=tokens)[:, 0]  # row-major, as hidden[mask]
+    return hidden.flatten(0, 1)[real], labels.flatten()[real]
 
 
 def low_precision(device: torch.device) -> torch.dtype | None:
@@ -312,23 +316,23 @@ class SmoothedLoss(nn.Module):
         self.rdrop_fraction = rdrop_fraction  # of each batch's rows that pass twice
 
     def forward(self, src: Tensor, tgt_in: Tensor, labels: Tensor, tokens: int) -> Tensor:
-        pairs = None
-        if self.rdrop_alpha > 0 and self.model.training:
-            pairs = rdrop.paired_rows(src.shape[0], self.rdrop_fraction, src.device)
-        if pairs is not None:  # those rows twice, with two dropout masks: their second passes after the batch
-            rows = src.shape[0]
-            memory, src_mask = self.model.encode(torch.cat([src, src[pairs]]))
-            hidden = self.model.decode(torch.cat([tgt_in, tgt_in[pairs]]), memory, src_mask)  # [B + k, T, D]
-            real = torch.nonzero_static((labels != self.model.pad_id).flatten(), size=tokens)[:, 0]
-            once = projected_smoothed_loss(hidden[:rows].flatten(0, 1)[real], self.model.embedding.weight,
-                                           labels.flatten()[real], self.label_smoothing)
-            return once + rdrop.pair_terms(self.model.project(hidden[pairs]), self.model.project(hidden[rows:]),
-                                           labels[pairs], self.model.pad_id, self.label_smoothing, self.rdrop_alpha)
-        if self.rdrop_alpha > 0 and self.model.training:  # each pair twice, with two dropout masks
+        if not (self.rdrop_alpha > 0 and self.model.training):
+            return self.plain(*real_hidden(self.model, src, tgt_in, labels, tokens))
+        pairs = rdrop.paired_rows(src.shape[0], self.rdrop_fraction, src.device)
+        if pairs is None:  # each pair twice, with two dropout masks
             hidden, targets = real_hidden(self.model, torch.cat([src, src]), torch.cat([tgt_in, tgt_in]),
                                           torch.cat([labels, labels]), 2 * tokens)
             return rdrop.rdrop_loss(self.model.project(hidden), targets, self.label_smoothing, self.rdrop_alpha)
-        hidden, targets = real_hidden(self.model, src, tgt_in, labels, tokens)
+        # Those rows twice, with two dropout masks: their second passes after the batch.
+        rows = src.shape[0]
+        memory, src_mask = self.model.encode(torch.cat([src, src[pairs]]))
+        hidden = self.model.decode(torch.cat([tgt_in, tgt_in[pairs]]), memory, src_mask)  # [B + k, T, D]
+        once = self.plain(*real_rows(hidden[:rows], labels, self.model.pad_id, tokens))
+        return once + rdrop.pair_terms(self.model.project(hidden[pairs]), self.model.project(hidden[rows:]),
+                                       labels[pairs], self.model.pad_id, self.label_smoothing, self.rdrop_alpha)
+
+    def plain(self, hidden: Tensor, targets: Tensor) -> Tensor:
+        """The summed label-smoothed CE of real positions' decoder outputs [N, D] and labels [N]."""
         if self.chunked:
             # model.project() is hidden @ embedding.weight^T (Sec. 3.4); test_train checks the two agree.
             return projected_smoothed_loss(hidden, self.model.embedding.weight, targets, self.label_smoothing)

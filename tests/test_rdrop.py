@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from model.config import ModelConfig
+from model import loss as loss_module
 from model.loss import SmoothedLoss
 from model.rdrop import pair_terms, paired_rows, rdrop_loss
 from model.transformer import Transformer
@@ -126,6 +127,21 @@ def test_with_a_fraction_the_drawn_rows_take_r_drops_loss_and_the_others_the_pla
     both, both_labels = torch.cat([logits[pairs], logits[3:]]), labels[pairs].repeat(2, 1)
     real = both_labels != 0
     torch.testing.assert_close(loss, plain + rdrop_loss(both[real], both_labels[real], EPS, 5.0))
+
+
+def test_with_a_fraction_and_chunked_off_the_first_passes_take_whole_logits_and_the_same_loss(monkeypatch):
+    src, tgt_in, labels, tokens = batch()
+    net = model(0.3).train()
+    torch.manual_seed(7)  # the same rows drawn, the same dropout masks
+    chunked = SmoothedLoss(net, EPS, rdrop_alpha=5.0, rdrop_fraction=0.34)(src, tgt_in, labels, tokens)
+
+    def refused(*args):
+        raise AssertionError("chunked=False computed a chunked loss")
+
+    monkeypatch.setattr(loss_module, "projected_smoothed_loss", refused)
+    torch.manual_seed(7)
+    whole = SmoothedLoss(net, EPS, chunked=False, rdrop_alpha=5.0, rdrop_fraction=0.34)(src, tgt_in, labels, tokens)
+    torch.testing.assert_close(whole, chunked)
 
 
 def test_a_fraction_of_the_rows_without_dropout_gives_the_plain_loss_and_with_it_a_kl():

@@ -1,0 +1,62 @@
+"""R-Drop's cost on this CPU: the default's training step plain, with a share of each batch's rows passing twice
+(train.rdrop_fraction 0.1, 0.25) and with every row twice (1.0).
+
+    python -m bench.rdrop [--steps 12] [--rounds 4] [--threads 2] [--alpha 12.5]
+
+The step as bench.train_throughput times it (pipeline.training.optimizer.
+train_step, synthetic 1250-token batches of the default's shapes), the same
+starting weights for each way, the ways alternating in the same rounds so that
+load from other programs hits all alike; each way warmed on a batch it does not
+time. Prints target tokens/s (best round) and each way's step time over the
+plain step's, against 1 + fraction, the passes a pair takes (model/rdrop.py):
+the time the FLOPs count would predict.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from bench.train_throughput import VOCAB, default_configs, our_step, synthetic_batches
+from model.transformer import Transformer
+
+FRACTIONS = (0.1, 0.25, 1.0)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--alpha", type=float, default=12.5, help="train.rdrop_alpha (no effect on the time)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {args.threads} threads, alpha {args.alpha}")
+    *_, batches = synthetic_batches(1250, args.steps + 1)
+    warm, timed = batches[0], batches[1:]
+    tokens = sum(b.tokens for b in timed)
+    ways = {"plain": []}
+    ways.update({f"fraction {f}": [f"train.rdrop_alpha={args.alpha}", f"train.rdrop_fraction={f}"] for f in FRACTIONS})
+    steps = {}
+    for name, overrides in ways.items():
+        cfg, train_cfg = default_configs(overrides)
+        torch.manual_seed(0)
+        steps[name] = our_step(Transformer(cfg, VOCAB), train_cfg)
+        steps[name](warm)
+    best = {name: float("inf") for name in ways}
+    for _ in range(args.rounds):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            for batch in timed:
+                step(batch)
+            best[name] = min(best[name], time.perf_counter() - start)
+    for name in ways:
+        passes = 1.0 if name == "plain" else 1 + float(name.split()[1])
+        print(f"{name}: {tokens / best[name]:.0f} target tokens/s, step time {best[name] / best['plain']:.2f}x the "
+              f"plain step's (passes {passes:.2f}x)")
+
+
+if __name__ == "__main__":
+    main()
