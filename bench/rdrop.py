@@ -4,12 +4,13 @@
     python -m bench.rdrop [--steps 12] [--rounds 4] [--threads 2] [--alpha 12.5]
 
 The step as bench.train_throughput times it (pipeline.training.optimizer.
-train_step, synthetic 1250-token batches of the default's shapes), the same
-starting weights for each way, the ways alternating in the same rounds so that
-load from other programs hits all alike; each way warmed on a batch it does not
-time. Prints target tokens/s (best round) and each way's step time over the
-plain step's, against 1 + fraction, the passes a pair takes (model/rdrop.py):
-the time the FLOPs count would predict.
+train_step, synthetic 1250-token batches of the default's shapes and
+vocabulary, the products and attention kernels the train stage picks on this
+CPU), the same starting weights for each way, the ways alternating in the same
+rounds so that load from other programs hits all alike; each way warmed on a
+batch it does not time. Prints target tokens/s (best round) and each way's
+step time over the plain step's, against 1 + fraction, the passes a pair takes
+(model/rdrop.py): the time the FLOPs count would predict.
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ import time
 
 import torch
 
-from bench.train_throughput import VOCAB, default_configs, our_step, synthetic_batches
+from bench.train_throughput import default_configs, our_step, synthetic_batches
 from model.transformer import Transformer
+from pipeline.core import config
+from pipeline.training import attention, cpu_matmul
 
 FRACTIONS = (0.1, 0.25, 1.0)
 
@@ -33,8 +36,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--alpha", type=float, default=12.5, help="train.rdrop_alpha (no effect on the time)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {args.threads} threads, alpha {args.alpha}")
-    *_, batches = synthetic_batches(1250, args.steps + 1)
+    vocab = config.compose([])["tokenize"]["vocab_size"]  # the whole logits R-Drop builds grow with it
+    products = cpu_matmul.choose(default_configs()[1].cpu_matmul, torch.device("cpu"))
+    cpu_matmul.use(products)  # the products and attention kernels the train stage uses on this CPU
+    attention.use(torch.device("cpu"))
+    print(f"torch {torch.__version__}, {args.threads} threads, {cpu_matmul.describe(products)}, alpha {args.alpha}, "
+          f"vocabulary {vocab}")
+    *_, batches = synthetic_batches(1250, args.steps + 1, vocab)
     warm, timed = batches[0], batches[1:]
     tokens = sum(b.tokens for b in timed)
     ways = {"plain": []}
@@ -43,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     for name, overrides in ways.items():
         cfg, train_cfg = default_configs(overrides)
         torch.manual_seed(0)
-        steps[name] = our_step(Transformer(cfg, VOCAB), train_cfg)
+        steps[name] = our_step(Transformer(cfg, vocab), train_cfg)
         steps[name](warm)
     best = {name: float("inf") for name in ways}
     for _ in range(args.rounds):

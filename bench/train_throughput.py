@@ -89,10 +89,11 @@ def default_configs(overrides: list[str] | tuple[str, ...] = ()) -> tuple[ModelC
     return config.parse(params, "model", ModelConfig), config.parse(params, "train", TrainConfig)
 
 
-def synthetic_batches(max_tokens: int, count: int) -> tuple[Ragged, Ragged, list, np.ndarray, list[Batch]]:
-    """`count` batches of at most max_tokens drawn (seeded) from the synthetic Multi30k-like corpus:
+def synthetic_batches(max_tokens: int, count: int, vocab: int = VOCAB) -> tuple[Ragged, Ragged, list, np.ndarray,
+                                                                               list[Batch]]:
+    """`count` batches of at most max_tokens drawn (seeded) from the synthetic Multi30k-like corpus of ids < vocab:
     (src, tgt, all batches' rows, the drawn batch ids, the drawn batches collated on the CPU)."""
-    src, tgt = synthetic_corpus(29000)
+    src, tgt = synthetic_corpus(29000, vocab=vocab)
     batches = make_batches(src.lengths + 1, tgt.lengths + 1, max_tokens, seed=1)
     order = np.random.default_rng(0).permutation(len(batches))[:count]
     return src, tgt, batches, order, [collate(src, tgt, batches[b], torch.device("cpu")) for b in order]
