@@ -10,7 +10,7 @@ Settings:
   blas  fp32 by torch's BLAS (MKL) on every CPU: torch's default.
   bf16  the weights, activations, gradients and Adam stay fp32; oneDNN rounds the inputs of each matrix product
         to bf16 and accumulates in fp32, on the CPU's AMX tiles. Only on a CPU with AMX (the amx_bf16 flag of
-        /proc/cpuinfo), the only kind measured faster; a CPU without it fails with one line.
+        /proc/cpuinfo): elsewhere torch's flag leaves oneDNN's products fp32; a CPU without it fails with one line.
   auto  bf16 on a CPU with AMX, else what fp32 chooses; a GPU ignores the setting (it trains under autocast:
         distributed.mixed_precision).
 
@@ -83,7 +83,8 @@ def choose(setting: str, device: torch.device, text: str | None = None) -> str:
     amx = has_amx(text)
     if setting == "bf16" and not amx:
         raise ParamsError(f"train.cpu_matmul = 'bf16': this CPU has no AMX ({AMX_FLAG} is not among the flags of "
-                          "/proc/cpuinfo), so bf16 products would only be slower; set it to 'auto' or 'fp32'")
+                          "/proc/cpuinfo), and torch rounds oneDNN's products to bf16 on AMX only; set it to 'auto' or "
+                          "'fp32'")
     if amx and setting in ("bf16", "auto"):
         return "bf16"
     if setting == "blas" or amx or not has_avx512(text) or not torch.backends.mkldnn.is_available():
