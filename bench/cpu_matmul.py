@@ -13,6 +13,8 @@ turns round by round so that load from other programs hits every way alike:
                 products by oneDNN (pipeline/training/cpu_matmul.py) and torch's math attention kernel
                 (pipeline/training/attention.py);
   bf16          on a CPU with AMX, what train.cpu_matmul = auto trains with: bf16 products and the math kernel;
+  autocast      on a CPU with AVX-512 BF16 and without AMX, what auto trains with there: the onednn way's step
+                under torch.autocast(bf16), the products' inputs and outputs bf16 (oneDNN's avx512_bf16 kernels);
   WAY, flash    the same products with the flash kernel: why attention changes with them.
 A run's batches come in many shapes (the default's: `num_shapes` in metrics/batch.json), and oneDNN's products
 are faster on a few shapes met again and again than over all of a run's: oneDNN compiles a kernel the first
@@ -23,7 +25,8 @@ times the steps as a run meets them, over every shape of its batches:
 A run of the default's train.max_steps meets each shape first once and runs its other steps later: `run`
 blends the seconds a target token of the two in that proportion. Prints target tokens/s (later: median of
 the rounds) and each way's `run` speed over fp32's. Targets: bf16 >= 1.3x fp32 in a run, onednn > 1x, and
-each faster than with the flash kernel. On a CPU with neither AMX nor AVX-512 only fp32 runs.
+each faster than with the flash kernel; autocast faster than onednn. On a CPU with neither AMX nor AVX-512
+only fp32 runs.
 """
 
 from __future__ import annotations
@@ -52,11 +55,14 @@ CPU = torch.device("cpu")
 
 @contextlib.contextmanager
 def way(products: str, flash: bool = False):
-    """Run the block with `products` and the attention kernels the trainer picks for them (or the flash kernel)."""
+    """Run the block with `products` and the attention kernels the trainer picks for them (or the flash kernel),
+    under bf16 autocast where the trainer runs them so ("autocast")."""
     cpu_matmul.use(products)
     attention.use(CPU)
+    dtype = cpu_matmul.autocast_dtype(products)
     try:
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION) if flash else contextlib.nullcontext():
+        with (sdpa_kernel(SDPBackend.FLASH_ATTENTION) if flash else contextlib.nullcontext(),
+              torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()):
             yield
     finally:
         cpu_matmul.use("fp32")
@@ -118,8 +124,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokenized", type=Path, default=Path("data/tokenized"), help="their tokenized corpus")
     args = parser.parse_args(argv)
     _, train_cfg = default_configs()
-    other = cpu_matmul.choose("auto", CPU)  # bf16 on AMX, oneDNN's fp32 on AVX-512 without it, else torch's BLAS
-    ways = {"fp32": ("fp32", False)}
+    other = cpu_matmul.choose("auto", CPU)  # bf16 on AMX, bf16 autocast on AVX-512 BF16, oneDNN's fp32 on other
+    ways = {"fp32": ("fp32", False)}  # AVX-512, else torch's BLAS
+    if other == "autocast":
+        ways |= {"onednn": ("onednn", False)}  # what train.cpu_matmul = fp32 trains with there
     if other != "fp32":
         ways |= {other: (other, False), f"{other}, flash": (other, True)}
     print(f"{args.threads} threads; against torch's BLAS: {cpu_matmul.describe(other) if other != 'fp32' else 'none'}"
@@ -173,6 +181,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{other} products: {run['fp32'] / run[other]:.2f}x fp32 in a run "
               f"(target {'>= 1.3x' if other == 'bf16' else '> 1x'}), "
               f"{run[other + ', flash'] / run[other]:.2f}x {other} with the flash kernel (target > 1x)")
+    if other == "autocast":
+        print(f"autocast: {run['onednn'] / run[other]:.2f}x onednn in a run (target > 1x)")
 
 
 if __name__ == "__main__":

@@ -109,6 +109,14 @@ def our_step(model: Transformer, train_cfg: TrainConfig, lr: float = 1e-4) -> Ca
     return lambda b: train_step(loss_model, optimizer, [(b, True)], b.tokens, lr, ctx, contextlib.nullcontext(), scaler)
 
 
+def under_autocast(step: Callable[[Batch], None], dtype: torch.dtype) -> Callable[[Batch], None]:
+    """`step` run under the CPU's autocast in `dtype`, as the trainer runs it for train.cpu_matmul's "autocast"."""
+    def run(batch: Batch) -> None:
+        with torch.autocast("cpu", dtype=dtype):
+            step(batch)
+    return run
+
+
 class TorchTransformer(nn.Module):
     """The baseline: nn.Transformer with our embedding, positional encoding and tied output projection."""
 
@@ -178,11 +186,14 @@ def main(argv: list[str] | None = None) -> None:
     n_ours, n_base = (sum(p.numel() for p in m.parameters()) for m in (ours, base))
     print(f"parameters: ours {n_ours / 1e6:.2f}M, nn.Transformer {n_base / 1e6:.2f}M")
     run_base = lambda b: baseline_step(base, base_opt, b, 1e-4, train_cfg.label_smoothing)
+    if (dtype := cpu_matmul.autocast_dtype(products)) is not None:  # bf16 autocast (AVX-512 BF16), for both
+        run_ours, run_base = (under_autocast(step, dtype) for step in (run_ours, run_base))
+    matmul_dtype = dtype or torch.float32
     for step in (run_ours, run_base):
         step(warmup)
 
     seconds: dict[str, list[float]] = {"ours": [], "nn.Transformer": []}
-    peaks = [flops_lib.measure_matmul_peak(torch.float32)]  # before and after every round: the load changes
+    peaks = [flops_lib.measure_matmul_peak(matmul_dtype)]  # before and after every round: the load changes
     for r in range(args.rounds):
         for name, step in (("ours", run_ours), ("nn.Transformer", run_base)):
             start = time.perf_counter()
@@ -190,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
                 step(b)
             seconds[name].append(time.perf_counter() - start)
             print(f"  round {r + 1} {name:15s} {tokens / seconds[name][-1]:8.0f} tok/s")
-        peaks.append(flops_lib.measure_matmul_peak(torch.float32))
+        peaks.append(flops_lib.measure_matmul_peak(matmul_dtype))
     peak = max(peaks)  # the machine's peak; lower figures were measured under someone else's load
     print(f"{cpu_matmul.describe(products)} matmul peak: {peak / 1e9:.1f} GFLOP/s "
           f"(best of {', '.join(f'{p / 1e9:.0f}' for p in peaks)})")

@@ -1,5 +1,5 @@
-"""train.cpu_matmul: bf16 matrix products on a CPU with AMX, fp32 by oneDNN on AVX-512 without AMX, torch's BLAS
-elsewhere, recorded with the run."""
+"""train.cpu_matmul: bf16 matrix products on a CPU with AMX or (under autocast) AVX-512 BF16, fp32 by oneDNN on
+AVX-512 without AMX, torch's BLAS elsewhere, recorded with the run."""
 
 from __future__ import annotations
 
@@ -22,7 +22,10 @@ XEON = ("processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Processor\ncpu MHz\t\t: 
 EPYC = "processor\t: 0\nmodel name\t: AMD EPYC\ncpu MHz\t\t: 2445.406\nflags\t\t: fpu sse2 avx fma avx2\n"
 ZEN = ("processor\t: 0\nmodel name\t: AMD EPYC\ncpu MHz\t\t: 3000.000\n"
        "flags\t\t: fpu sse2 avx fma avx2 avx512f avx512dq avx512bw avx512vl avx512_bf16\n")
+SKYLAKE = ("processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Processor\ncpu MHz\t\t: 2000.000\n"
+           "flags\t\t: fpu sse2 avx fma avx2 avx512f avx512dq avx512bw avx512vl\n")  # AVX-512 without bf16
 BF16, ONEDNN = "fp32, bf16 matrix products (AMX)", "fp32 (oneDNN's matrix products)"
+AUTOCAST = "fp32 weights, bf16 autocast (AVX-512 BF16)"
 NATIVE_AVX512 = cpu_matmul.has_avx512() and not cpu_matmul.has_amx()
 
 
@@ -35,9 +38,10 @@ def as_cpu(monkeypatch, text: str) -> None:
 @pytest.mark.parametrize("setting, text, device, want", [
     ("auto", XEON, CPU, "bf16"), ("auto", EPYC, CPU, "fp32"), ("fp32", XEON, CPU, "fp32"),
     ("bf16", XEON, CPU, "bf16"), ("auto", XEON, CUDA, "fp32"), ("bf16", EPYC, CUDA, "fp32"),
-    ("fp32", ZEN, CPU, "onednn"), ("auto", ZEN, CPU, "onednn"), ("blas", ZEN, CPU, "fp32"),
+    ("fp32", ZEN, CPU, "onednn"), ("auto", ZEN, CPU, "autocast"), ("bf16", ZEN, CPU, "autocast"),
+    ("blas", ZEN, CPU, "fp32"), ("auto", SKYLAKE, CPU, "onednn"), ("fp32", SKYLAKE, CPU, "onednn"),
     ("blas", XEON, CPU, "fp32"), ("fp32", EPYC, CPU, "fp32"), ("fp32", ZEN, CUDA, "fp32")])
-def test_bf16_products_on_amx_only_and_onednns_fp32_on_avx512_without_it(setting, text, device, want, monkeypatch):
+def test_bf16_on_amx_and_avx512_bf16_and_onednns_fp32_on_avx512_without_them(setting, text, device, want, monkeypatch):
     monkeypatch.setattr(cpu_matmul, "onednn_keeps_fp32", lambda: True)
     assert cpu_matmul.choose(setting, device, text) == want
 
@@ -49,9 +53,11 @@ def test_fp32_stays_on_torchs_blas_where_onednn_would_round_to_bf16(monkeypatch,
     assert "oneDNN rounded a test product to bf16" in caplog.text
 
 
-def test_asking_for_bf16_on_a_cpu_without_amx_fails_naming_the_key_and_the_remedy():
-    with pytest.raises(ParamsError, match=r"train\.cpu_matmul = 'bf16'.*no AMX.*amx_bf16.*'auto' or 'fp32'"):
-        cpu_matmul.choose("bf16", CPU, EPYC)
+@pytest.mark.parametrize("text", [EPYC, SKYLAKE])
+def test_asking_for_bf16_on_a_cpu_without_amx_or_avx512_bf16_fails_naming_the_key_and_the_remedy(text):
+    with pytest.raises(ParamsError, match=r"train\.cpu_matmul = 'bf16'.*neither AMX nor AVX-512 BF16.*amx_bf16, "
+                                          r"avx512_bf16.*'auto' or 'fp32'"):
+        cpu_matmul.choose("bf16", CPU, text)
     with pytest.raises(ParamsError, match=r"train\.cpu_matmul = 'bf8': expected one of 'auto', 'fp32', 'blas', 'bf16'"):
         cpu_matmul.choose("bf8", CPU, XEON)
 
@@ -68,7 +74,10 @@ def test_bf16_products_switch_the_torch_flag_and_the_cpu_attention_kernel_and_ba
     assert attention.use(CPU) == attention.CPU
     cpu_matmul.use("onednn")  # fp32 by oneDNN: the same flag, the same attention kernel
     assert torch.backends.mkldnn.matmul.fp32_precision == "bf16" and attention.choice(CPU) == ("math",)
-    with pytest.raises(ValueError, match="expected one of 'fp32', 'onednn', 'bf16', got 'auto'"):
+    cpu_matmul.use("autocast")  # bf16 autocast: oneDNN's kernels, the math attention kernel
+    assert torch.backends.mkldnn.matmul.fp32_precision == "bf16" and attention.choice(CPU) == ("math",)
+    assert cpu_matmul.autocast_dtype("autocast") == torch.bfloat16 and cpu_matmul.autocast_dtype("bf16") is None
+    with pytest.raises(ValueError, match="expected one of 'fp32', 'onednn', 'bf16', 'autocast', got 'auto'"):
         cpu_matmul.use("auto")
 
 
@@ -88,6 +97,7 @@ def test_bf16_products_keep_more_compiled_kernels_than_onednns_default_unless_se
 def test_the_nominal_peak_of_bf16_products_is_the_amx_tiles_rate_and_the_paper_keeps_fp32(tmp_path, monkeypatch):
     assert peak.nominal_cpu_peak(2, XEON, products="bf16") == pytest.approx(2 * 2500e6 * 1024)
     assert peak.nominal_cpu_peak(2, EPYC, products="bf16") is None
+    assert peak.nominal_cpu_peak(2, ZEN, products="bf16") == pytest.approx(2 * 3000e6 * 64 * 2)  # twice fp32's
     as_cpu(monkeypatch, XEON)
     monkeypatch.setattr(peak, "measured_peak", lambda *a: pytest.fail("measured despite a nominal figure"))
     threads = torch.get_num_threads()
@@ -111,15 +121,17 @@ def train_once(root, monkeypatch, text: str, setting: str) -> tuple[dict, dict, 
     return json.loads((root / "metrics" / "train.json").read_text()), final_weights(root), used
 
 
-@pytest.mark.parametrize("text, want", [(XEON, BF16), (EPYC, "fp32"), (ZEN, ONEDNN)])
+@pytest.mark.parametrize("text, setting, want", [(XEON, "auto", BF16), (EPYC, "auto", "fp32"), (ZEN, "fp32", ONEDNN),
+                                                   (ZEN, "auto", AUTOCAST)])
 def test_the_train_stage_records_the_precision_auto_chose_in_its_metrics_log_and_mlflow(
-        tmp_path, monkeypatch, caplog, one_thread, text, want):
+        tmp_path, monkeypatch, caplog, one_thread, text, setting, want):
     with caplog.at_level(logging.INFO):
-        metrics, _, used = train_once(tmp_path, monkeypatch, text, "auto")
-    assert used == [{BF16: "bf16", "fp32": "fp32", ONEDNN: "onednn"}[want]]
+        metrics, _, used = train_once(tmp_path, monkeypatch, text, setting)
+    assert used == [{BF16: "bf16", "fp32": "fp32", ONEDNN: "onednn", AUTOCAST: "autocast"}[want]]
     assert metrics["precision"] == want and f"precision: {want}" in caplog.text
-    per_cycle = {BF16: 1024, "fp32": 32, ONEDNN: 64}[want]  # MFU against the AMX tiles' rate, or the FMA units'
-    clock = {BF16: 2500e6, "fp32": 2445.406e6, ONEDNN: 3000e6}[want]
+    # MFU against the AMX tiles' rate, the FMA units', or twice theirs for AVX-512's bf16 dot products
+    per_cycle = {BF16: 1024, "fp32": 32, ONEDNN: 64, AUTOCAST: 128}[want]
+    clock = {BF16: 2500e6, "fp32": 2445.406e6, ONEDNN: 3000e6, AUTOCAST: 3000e6}[want]
     assert (metrics["peak_flops"], metrics["peak_flops_source"]) == (pytest.approx(clock * per_cycle), "nominal")
     assert ("attention: torch's math kernel on a CPU with oneDNN's matrix products" in caplog.text) == (want != "fp32")
     client = MlflowClient()
@@ -132,6 +144,15 @@ def test_bf16_products_train_the_same_weights_twice_on_one_machine(tmp_path, mon
     cpu_matmul.use("fp32")
     second = train_once(tmp_path / "b", monkeypatch, XEON, "bf16")[1]
     assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+
+
+def test_bf16_autocast_trains_other_weights_than_fp32_and_the_same_twice(tmp_path, monkeypatch, one_thread):
+    fp32 = train_once(tmp_path / "fp32", monkeypatch, ZEN, "fp32")[1]
+    first = train_once(tmp_path / "a", monkeypatch, ZEN, "bf16")[1]
+    second = train_once(tmp_path / "b", monkeypatch, ZEN, "bf16")[1]
+    cpu_matmul.use("fp32")
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+    assert any(not torch.equal(first[k], fp32[k]) for k in first)  # the steps ran in bf16
 
 
 @pytest.mark.skipif(not cpu_matmul.has_amx(), reason="needs a CPU with AMX (amx_bf16)")
@@ -173,3 +194,23 @@ def test_the_matmul_bench_times_every_stored_batch_and_meets_each_shape_first_on
     other = bench.stream(5000, 1250, (tokenized, batches), seed=1)[2]
     assert [b.src.tolist() for b in again] == [b.src.tolist() for b in epoch]  # a seeded order
     assert [b.src.tolist() for b in other] != [b.src.tolist() for b in epoch]
+
+
+def test_the_matmul_benchs_autocast_way_computes_in_bf16_and_leaves_fp32_after_it():
+    from bench import cpu_matmul as bench
+    a, b = torch.randn(8, 16), torch.randn(16, 8)
+    with bench.way("fp32", autocast=True):
+        assert (a @ b).dtype == torch.bfloat16
+    with bench.way("fp32"):
+        assert (a @ b).dtype == torch.float32
+    assert (a @ b).dtype == torch.float32 and not torch.is_autocast_enabled("cpu")
+
+
+def test_the_matmul_benchs_autocast_way_computes_in_bf16_and_leaves_fp32_after_it():
+    from bench import cpu_matmul as bench
+    a, b = torch.randn(8, 16), torch.randn(16, 8)
+    with bench.way("autocast"):
+        assert (a @ b).dtype == torch.bfloat16
+    with bench.way("onednn"):
+        assert (a @ b).dtype == torch.float32
+    assert (a @ b).dtype == torch.float32 and not torch.is_autocast_enabled("cpu")

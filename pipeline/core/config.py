@@ -173,8 +173,8 @@ class TrainConfig:
     # the share of each batch's rows that pass twice with R-Drop (drawn anew each step); 1 = all of them
     rdrop_fraction: float = field(default=1.0, metadata={"range": "(0, 1]"})
     # a CPU's matrix products: fp32 (the paper's; by oneDNN on AVX-512 without AMX, else torch's BLAS), blas (fp32 by
-    # torch's BLAS), bf16 on AMX tiles with fp32 weights and sums, or auto (bf16 where the CPU has AMX, else fp32);
-    # GPUs ignore it (pipeline/training/cpu_matmul.py)
+    # torch's BLAS), bf16 products with fp32 weights (on AMX tiles, or under autocast on AVX-512 BF16), or auto (bf16
+    # where the CPU has AMX or AVX-512 BF16, else fp32); GPUs ignore it (pipeline/training/cpu_matmul.py)
     cpu_matmul: str = field(default="fp32", metadata={"choices": ("auto", "fp32", "blas", "bf16")})
 
 

@@ -271,13 +271,14 @@ def precision(ctx: Dist, cpu: str = "fp32") -> str:
     return cpu if dtype == torch.float32 and not ctx.cuda else PRECISIONS[dtype]
 
 
-def mixed_precision(ctx: Dist, label: str | None = None) -> tuple[contextlib.AbstractContextManager,
-                                                                  torch.amp.GradScaler]:
+def mixed_precision(ctx: Dist, label: str | None = None, cpu_dtype: torch.dtype | None = None
+                    ) -> tuple[contextlib.AbstractContextManager, torch.amp.GradScaler]:
     """The autocast context and gradient scaler of training on ctx.device (autocast_dtype; the scaler for fp16 only),
     logged, and the same on every rank: a world of mixed GPUs would average gradients of differently scaled losses.
-    `label`: precision()'s line (a CPU's matrix products), checked the same way; else that of autocast_dtype."""
+    `label`: precision()'s line (a CPU's matrix products), checked the same way; else that of autocast_dtype.
+    `cpu_dtype`: a CPU's autocast dtype (bf16 on AVX-512 BF16: cpu_matmul.autocast_dtype), None for fp32."""
     device = ctx.device
-    dtype = autocast_dtype(device)
+    dtype = cpu_dtype if cpu_dtype is not None and device.type == "cpu" else autocast_dtype(device)
     label = label or PRECISIONS[dtype]
     where = (f" ({torch.cuda.get_device_name(device)}, compute capability "
              f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))})" if device.type == "cuda" else "")

@@ -12,7 +12,8 @@ Sources, as `peak_flops_source` in metrics/train.json:
             Zen and most Xeons). The AMD EPYC here: 2 x 2445 MHz x 32 =
             156.5 GFLOP/s, where a quiet matmul measured 155-162. With
             bf16 matrix products (train.cpu_matmul, on AMX): threads x clock
-            x AMX_BF16_FLOPS_PER_CYCLE, the tiles' bf16 rate.
+            x AMX_BF16_FLOPS_PER_CYCLE, the tiles' bf16 rate; under bf16
+            autocast on AVX-512 BF16: twice the fp32 figure.
   measured  other CPUs and GPUs: the best matmul rate at that precision of
             ROUNDS rounds of SECONDS each, measured when this machine has no
             cached figure yet, then cached. (Measured on a loaded machine it
@@ -52,6 +53,8 @@ CACHE_NAME = "attention-is-all-you-need/peak_flops.json"
 FLOPS_PER_CYCLE = ((("avx512f",), 64), (("avx2", "fma"), 32), (("avx",), 16), (("sse2",), 8))
 AMX_BF16_FLAG = "amx_bf16"  # /proc/cpuinfo's flag of AMX's bf16 tiles
 AMX_BF16_FLOPS_PER_CYCLE = 1024  # per core: a 16 x 32 by 32 x 16 bf16 tile product (16,384 FLOP) every 16 cycles
+AVX512_BF16_FLAG = "avx512_bf16"  # /proc/cpuinfo's flag of AVX-512's bf16 dot products: two products and their sum
+# per fp32 lane, twice the fp32 FMA's FLOP per cycle
 
 
 @dataclass(frozen=True)
@@ -140,13 +143,16 @@ def cpu_name() -> str:
 
 
 def nominal_cpu_peak(threads: int, text: str | None = None, products: str = "fp32") -> float | None:
-    """threads x clock x FLOPS_PER_CYCLE of the widest FMA unit (AMX_BF16_FLOPS_PER_CYCLE for bf16 `products`, on
-    a CPU with amx_bf16), from /proc/cpuinfo (or `text`); None if unknown."""
+    """threads x clock x FLOPS_PER_CYCLE of the widest FMA unit (for bf16 `products`: AMX_BF16_FLOPS_PER_CYCLE on a
+    CPU with amx_bf16, else twice the fp32 figure on one with avx512_bf16), from /proc/cpuinfo (or `text`); None if
+    unknown."""
     mhz, flags = cpuinfo("cpu MHz", text), cpu_flags(text)
+    fp32 = next((n for needs, n in FLOPS_PER_CYCLE if flags.issuperset(needs)), None)
     if products == "bf16":
-        per_cycle = AMX_BF16_FLOPS_PER_CYCLE if AMX_BF16_FLAG in flags else None
+        per_cycle = (AMX_BF16_FLOPS_PER_CYCLE if AMX_BF16_FLAG in flags else
+                     2 * fp32 if AVX512_BF16_FLAG in flags and fp32 else None)
     else:
-        per_cycle = next((n for needs, n in FLOPS_PER_CYCLE if flags.issuperset(needs)), None)
+        per_cycle = fp32
     try:
         clock = float(mhz) * 1e6 if mhz else 0.0
     except ValueError:

@@ -93,12 +93,13 @@ class Trainer(RunCheckpoints):
         self.optimizer = build_optimizer(self.model, cfg)
         # Paper: fp32 on P100s. GPUs train under autocast: bf16, or fp16 with a gradient scaler on GPUs without
         # bf16 (the weights and Adam stay fp32).
-        # CPUs: fp32 (torch's BLAS or oneDNN), or bf16 products on AMX (train.cpu_matmul), for this process and its
-        # attention kernels.
+        # CPUs: fp32 (torch's BLAS or oneDNN), or bf16 products on AMX or under autocast on AVX-512 BF16
+        # (train.cpu_matmul), for this process and its attention kernels.
         self.products = cpu_matmul.choose(cfg.cpu_matmul, ctx.device)
         cpu_matmul.use(self.products)
         self.precision = distributed.precision(ctx, cpu_matmul.describe(self.products))
-        self.autocast, self.scaler = distributed.mixed_precision(ctx, self.precision)
+        self.autocast, self.scaler = distributed.mixed_precision(ctx, self.precision,
+                                                                 cpu_matmul.autocast_dtype(self.products))
         torch.manual_seed(cfg.seed + ctx.rank)  # dropout masks differ between ranks
         # The code that shapes the weights (every project file train imports), recorded in each checkpoint:
         # a checkpoint of other code is not resumed (pipeline/weights/checkpoint.py, resume_point).
