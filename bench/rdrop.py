@@ -8,7 +8,7 @@ train_step, synthetic 1250-token batches of the default's shapes and
 vocabulary, the products and attention kernels the train stage picks on this
 CPU), the same starting weights for each way, the ways alternating in the same
 rounds so that load from other programs hits all alike; each way warmed on a
-batch it does not time. Prints target tokens/s (best round) and each way's
+batch of a shape the timed steps do not meet. Prints target tokens/s (best round) and each way's
 step time over the plain step's, against 1 + fraction, the passes a pair takes
 (model/rdrop.py): the time the FLOPs count would predict.
 """
@@ -42,8 +42,12 @@ def main(argv: list[str] | None = None) -> None:
     attention.use(torch.device("cpu"))
     print(f"torch {torch.__version__}, {args.threads} threads, {cpu_matmul.describe(products)}, alpha {args.alpha}, "
           f"vocabulary {vocab}")
-    *_, batches = synthetic_batches(1250, args.steps + 1, vocab)
-    warm, timed = batches[0], batches[1:]
+    *_, batches = synthetic_batches(1250, args.steps + 32, vocab)
+    timed = batches[:args.steps]
+    shapes = {(*b.src.shape, b.tgt_in.shape[1]) for b in timed}
+    warm = next((b for b in batches[args.steps:] if (*b.src.shape, b.tgt_in.shape[1]) not in shapes), None)
+    if warm is None:
+        raise SystemExit("bench.rdrop: no batch of a shape the timed steps lack to warm up on: lower --steps")
     tokens = sum(b.tokens for b in timed)
     ways = {"plain": []}
     ways.update({f"fraction {f}": [f"train.rdrop_alpha={args.alpha}", f"train.rdrop_fraction={f}"] for f in FRACTIONS})
