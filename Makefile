@@ -9,7 +9,7 @@ export DVC_NO_ANALYTICS := 1
 export MLFLOW_DISABLE_TELEMETRY := true
 export DO_NOT_TRACK := 1
 
-.PHONY: install run test bench clean ui inspect multinode-smoke rehearse gpu-check gpu-profile
+.PHONY: install run test bench clean ui inspect multinode-smoke rehearse gpu-check gpu-profile gpu-graphs
 
 install: $(VENV)/.installed
 
@@ -49,6 +49,10 @@ gpu-check: install
 
 gpu-profile: install
 	$(BIN)/python -m bench.gpu_profile
+
+# train.compile and train.cuda_graphs against eager over 600 steps of one corpus, in windows of 100
+gpu-graphs: install
+	$(BIN)/python -m bench.gpu_graphs --modes compiled graphs
 
 clean:
 	rm -rf $(VENV)

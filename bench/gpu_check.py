@@ -50,8 +50,8 @@ import torch
 
 from bench.gpu_decode import time_decoding
 from bench.gpu_reference import fitting_reference
-from bench.gpu_setup import (PRESETS, VALID_PAIRS, WARMUP_STEPS, WMT_LONGEST, WMT_MEAN, WMT_SD, Setup, preset,
-                             process_group, stream)
+from bench.gpu_setup import (PRESETS, VALID_PAIRS, WARMUP_STEPS, WMT_LONGEST, WMT_MEAN, WMT_SD, Setup, gpu_or_tiny,
+                             preset, process_group, stream)
 from bench.gpu_timing import MODES, fitting_training
 from bench.train_throughput import synthetic_corpus
 from model import flops as flops_lib
@@ -180,10 +180,9 @@ def main(argv: list[str] | None = None) -> dict | None:
     """Print every line; return what they measured, per preset (tests), or None without CUDA. Exits 1 after the
     last line where a line failed (the math attention kernel in training, a host sync in a timed step)."""
     args = arguments().parse_args(argv)
-    if not torch.cuda.is_available() and not args.tiny:
-        print("gpu-check: no CUDA GPU on this machine (torch.cuda.is_available() is False); nothing to check")
+    device = gpu_or_tiny("gpu-check", "check", args.tiny)
+    if device is None:
         return None
-    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     failures: list[str] = []
     with process_group(device) as ctx:
         results = {name: check(name, device, args, ctx, failures) for name in args.models}

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench.gpu_setup import PRESETS, preset, process_group, sync, training_data
+from bench.gpu_setup import PRESETS, gpu_or_tiny, preset, process_group, sync, training_data
 from bench.gpu_timing import timed, trainer
 from pipeline.training import distributed
 
@@ -162,10 +162,9 @@ def main(argv: list[str] | None = None) -> dict | None:
     parser.add_argument("--trace", type=Path, help="keep each preset's Chrome trace in this folder")
     parser.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # tests: the code path on a CPU
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available() and not args.tiny:
-        print("gpu-profile: no CUDA GPU on this machine (torch.cuda.is_available() is False); nothing to read")
+    device = gpu_or_tiny("gpu-profile", "read", args.tiny)
+    if device is None:
         return None
-    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     results = {}
     with tempfile.TemporaryDirectory(prefix="gpu-profile-") as work, process_group(device) as ctx:
         # Every preset timed before any is profiled: a profiler session can leave the CUDA profiling interface

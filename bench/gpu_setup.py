@@ -60,6 +60,16 @@ def preset(name: str, device: torch.device, tiny: bool) -> Setup:
                  params["tokenize"]["vocab_size"], device)
 
 
+def gpu_or_tiny(tool: str, nothing: str, tiny: bool) -> torch.device | None:
+    """The CUDA device a GPU bench runs on; the CPU for --tiny (tests); else None, having said there is no GPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", 0)
+    if tiny:
+        return torch.device("cpu")
+    print(f"{tool}: no CUDA GPU on this machine (torch.cuda.is_available() is False); nothing to {nothing}")
+    return None
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
