@@ -19,8 +19,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 from bench.gpu_kernels import Dynamo
 from bench.gpu_setup import (PRESETS, WARMUP_STEPS, Setup, fresh, gpu_or_tiny, preset, process_group, sync,
                              training_data)
