@@ -59,10 +59,9 @@ def way(products: str, flash: bool = False):
     under bf16 autocast where the trainer runs them so ("autocast")."""
     cpu_matmul.use(products)
     attention.use(CPU)
-    dtype = cpu_matmul.autocast_dtype(products)
     try:
         with (sdpa_kernel(SDPBackend.FLASH_ATTENTION) if flash else contextlib.nullcontext(),
-              torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()):
+              cpu_matmul.autocast(products)):
             yield
     finally:
         cpu_matmul.use("fp32")

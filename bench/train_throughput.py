@@ -109,10 +109,10 @@ def our_step(model: Transformer, train_cfg: TrainConfig, lr: float = 1e-4) -> Ca
     return lambda b: train_step(loss_model, optimizer, [(b, True)], b.tokens, lr, ctx, contextlib.nullcontext(), scaler)
 
 
-def under_autocast(step: Callable[[Batch], None], dtype: torch.dtype) -> Callable[[Batch], None]:
-    """`step` run under the CPU's autocast in `dtype`, as the trainer runs it for train.cpu_matmul's "autocast"."""
+def under_autocast(step: Callable[[Batch], None], products: str) -> Callable[[Batch], None]:
+    """`step` run in the CPU's autocast for `products` (train.cpu_matmul's choice), as the trainer runs it."""
     def run(batch: Batch) -> None:
-        with torch.autocast("cpu", dtype=dtype):
+        with cpu_matmul.autocast(products):
             step(batch)
     return run
 
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"parameters: ours {n_ours / 1e6:.2f}M, nn.Transformer {n_base / 1e6:.2f}M")
     run_base = lambda b: baseline_step(base, base_opt, b, 1e-4, train_cfg.label_smoothing)
     if (dtype := cpu_matmul.autocast_dtype(products)) is not None:  # bf16 autocast (AVX-512 BF16), for both
-        run_ours, run_base = (under_autocast(step, dtype) for step in (run_ours, run_base))
+        run_ours, run_base = (under_autocast(step, products) for step in (run_ours, run_base))
     matmul_dtype = dtype or torch.float32
     for step in (run_ours, run_base):
         step(warmup)

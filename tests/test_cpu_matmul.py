@@ -62,6 +62,29 @@ def test_asking_for_bf16_on_a_cpu_without_amx_or_avx512_bf16_fails_naming_the_ke
         cpu_matmul.choose("bf8", CPU, XEON)
 
 
+def test_asking_for_bf16_where_torch_lacks_onednn_says_so(monkeypatch):
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    with pytest.raises(ParamsError, match=r"train\.cpu_matmul = 'bf16'.* or torch lacks oneDNN, .*'auto' or 'fp32'"):
+        cpu_matmul.choose("bf16", CPU, ZEN)  # AVX-512 BF16, but no oneDNN to use it
+
+
+def test_the_choice_and_the_peak_see_avx512_bf16_only_with_the_avx512_torch_needs(monkeypatch):
+    partial = ZEN.replace(" avx512bw", "")  # avx512_bf16 without all of AVX-512: neither oneDNN nor its peak
+    monkeypatch.setattr(cpu_matmul, "onednn_keeps_fp32", lambda: True)
+    assert cpu_matmul.choose("auto", CPU, partial) == "fp32"
+    assert peak.nominal_cpu_peak(2, partial, products="bf16") is None
+    assert cpu_matmul.has_avx512_bf16(ZEN) and peak.nominal_cpu_peak(2, ZEN, products="bf16") is not None
+
+
+@pytest.mark.parametrize("choice, dtype", [("autocast", torch.bfloat16), ("onednn", torch.float32),
+                                           ("bf16", torch.float32), ("fp32", torch.float32)])
+def test_a_choice_steps_under_bf16_autocast_only_for_autocast(choice, dtype):
+    a = torch.randn(4, 8)
+    with cpu_matmul.autocast(choice):
+        assert (a @ a.T).dtype == dtype  # AMX's bf16 products keep fp32 tensors: torch rounds inside oneDNN
+    assert (a @ a.T).dtype == torch.float32
+
+
 def test_bf16_products_switch_the_torch_flag_and_the_cpu_attention_kernel_and_back(monkeypatch):
     cpu_matmul.use("bf16")
     assert torch.backends.mkldnn.matmul.fp32_precision == "bf16"

@@ -31,6 +31,7 @@ params and code trains the same weights. Speed and BLEU: docs/benchmarks.md, doc
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import fields
@@ -38,7 +39,8 @@ from dataclasses import fields
 import torch
 
 from pipeline.core.config import ParamsError, TrainConfig
-from pipeline.training.peak import AMX_BF16_FLAG as AMX_FLAG, AVX512_BF16_FLAG as AVX512_BF16, cpu_flags
+from pipeline.training.peak import AMX_BF16_FLAG as AMX_FLAG, AVX512, AVX512_BF16_FLAG as AVX512_BF16, cpu_flags
+from pipeline.training.peak import has_avx512_bf16 as avx512_bf16_in
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +50,6 @@ SETTINGS = next(f for f in fields(TrainConfig) if f.name == "cpu_matmul").metada
 # Read once, when oneDNN first builds a primitive in the process; a value set outside wins. Speed only: an evicted
 # primitive is rebuilt the same, so the weights do not depend on it.
 PRIMITIVE_CACHE = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "16384")
-AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq")  # what torch asks of a CPU before it lets oneDNN compute
 CHOICES = ("fp32", "onednn", "bf16", "autocast")  # choose()'s answers: fp32 by torch's BLAS, fp32 by oneDNN, bf16
 # products on AMX, bf16 autocast on AVX-512 BF16
 
@@ -60,7 +61,7 @@ def has_amx(text: str | None = None) -> bool:
 
 def has_avx512_bf16(text: str | None = None) -> bool:
     """Whether this CPU (or a /proc/cpuinfo `text`) has AVX-512 with its bf16 dot products."""
-    return has_avx512(text) and AVX512_BF16 in cpu_flags(text)
+    return avx512_bf16_in(cpu_flags(text))
 
 
 def has_avx512(text: str | None = None) -> bool:
@@ -98,8 +99,9 @@ def choose(setting: str, device: torch.device, text: str | None = None) -> str:
             return "autocast"
     if setting == "bf16":
         raise ParamsError(f"train.cpu_matmul = 'bf16': this CPU has neither AMX nor AVX-512 BF16 ({AMX_FLAG}, "
-                          f"{AVX512_BF16} are not among the flags of /proc/cpuinfo), where bf16 products would be "
-                          "slower than fp32; set it to 'auto' or 'fp32'")
+                          f"{AVX512_BF16} are not among the flags of /proc/cpuinfo)"
+                          + ("" if onednn else " or torch lacks oneDNN") + ", the native bf16 products it needs; "
+                          "set it to 'auto' or 'fp32'")
     if setting == "blas" or amx or not has_avx512(text) or not onednn:
         return "fp32"
     if onednn_keeps_fp32():
@@ -126,6 +128,12 @@ def precision(choice: str) -> str:
 def autocast_dtype(choice: str) -> torch.dtype | None:
     """The dtype a CPU's training step runs under autocast for a choice: bf16 for "autocast", else None (fp32)."""
     return torch.bfloat16 if choice == "autocast" else None
+
+
+def autocast(choice: str) -> contextlib.AbstractContextManager:
+    """The context a CPU's training step runs in for a choice: torch.autocast in autocast_dtype, or none."""
+    dtype = autocast_dtype(choice)
+    return torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
 
 def describe(choice: str) -> str:

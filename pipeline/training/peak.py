@@ -55,6 +55,12 @@ AMX_BF16_FLAG = "amx_bf16"  # /proc/cpuinfo's flag of AMX's bf16 tiles
 AMX_BF16_FLOPS_PER_CYCLE = 1024  # per core: a 16 x 32 by 32 x 16 bf16 tile product (16,384 FLOP) every 16 cycles
 AVX512_BF16_FLAG = "avx512_bf16"  # /proc/cpuinfo's flag of AVX-512's bf16 dot products: two products and their sum
 # per fp32 lane, twice the fp32 FMA's FLOP per cycle
+AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq")  # what torch asks of a CPU before it lets oneDNN compute
+
+
+def has_avx512_bf16(flags: set[str]) -> bool:
+    """Whether /proc/cpuinfo's `flags` show AVX-512 (as torch's oneDNN needs it) with its bf16 dot products."""
+    return flags.issuperset(AVX512) and AVX512_BF16_FLAG in flags
 
 
 @dataclass(frozen=True)
@@ -150,7 +156,7 @@ def nominal_cpu_peak(threads: int, text: str | None = None, products: str = "fp3
     fp32 = next((n for needs, n in FLOPS_PER_CYCLE if flags.issuperset(needs)), None)
     if products == "bf16":
         per_cycle = (AMX_BF16_FLOPS_PER_CYCLE if AMX_BF16_FLAG in flags else
-                     2 * fp32 if AVX512_BF16_FLAG in flags and fp32 else None)
+                     2 * fp32 if has_avx512_bf16(flags) and fp32 else None)
     else:
         per_cycle = fp32
     try:
