@@ -50,6 +50,7 @@ import torch
 
 from bench.gpu_decode import time_decoding
 from bench.gpu_reference import fitting_reference
+from bench.gpu_setup import arguments as gpu_arguments
 from bench.gpu_setup import (PRESETS, VALID_PAIRS, WARMUP_STEPS, WMT_LONGEST, WMT_MEAN, WMT_SD, Setup, gpu_or_tiny,
                              preset, process_group, stream)
 from bench.gpu_timing import MODES, fitting_training
@@ -167,12 +168,10 @@ def check(name: str, device: torch.device, args: argparse.Namespace, ctx: distri
 
 
 def arguments() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = gpu_arguments(__doc__, "check")
     parser.add_argument("--steps", type=int, default=50, help="timed steps per model and mode, after the warm-up")
     parser.add_argument("--sentences", type=int, default=400, help="sentences decoded per model and precision")
     parser.add_argument("--no-compile", action="store_true", help="skip the train.compile and train.cuda_graphs runs")
-    parser.add_argument("--models", nargs="+", choices=PRESETS, default=list(PRESETS), help="presets to check")
-    parser.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # tests: the code path on a CPU
     return parser
 
 

@@ -13,13 +13,13 @@ which the graphs mode is ahead in total. Without CUDA: one line, exit 0 (--tiny:
 
 from __future__ import annotations
 
-import argparse
 import json
 import tempfile
 import time
 from pathlib import Path
 
 from bench.gpu_kernels import Dynamo
+from bench.gpu_setup import arguments as gpu_arguments
 from bench.gpu_setup import (PRESETS, WARMUP_STEPS, Setup, fresh, gpu_or_tiny, preset, process_group, sync,
                              training_data)
 from bench.gpu_timing import trainer
@@ -93,13 +93,11 @@ def report(name: str, runs: dict[str, list[dict]]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> dict | None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", choices=PRESETS, default=list(PRESETS), help="presets to time")
+    parser = gpu_arguments(__doc__, "time")
     parser.add_argument("--modes", nargs="+", choices=MODES[1:], default=["graphs"], help="modes timed against eager")
     parser.add_argument("--steps", type=int, default=600, help="timed steps per preset and mode, after the warm-up")
     parser.add_argument("--window", type=int, default=100, help="steps per timed window")
     parser.add_argument("--json", type=Path, help="also write every window's figures to this file")
-    parser.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # tests: the code path on a CPU
     args = parser.parse_args(argv)
     device = gpu_or_tiny("gpu-graphs", "time", args.tiny)
     if device is None:

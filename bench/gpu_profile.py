@@ -22,7 +22,6 @@ timed line means anything.
 
 from __future__ import annotations
 
-import argparse
 import json
 import tempfile
 from collections import Counter
@@ -31,6 +30,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from bench.gpu_setup import arguments as gpu_arguments
 from bench.gpu_setup import PRESETS, gpu_or_tiny, preset, process_group, sync, training_data
 from bench.gpu_timing import timed, trainer
 from pipeline.training import distributed
@@ -156,11 +156,9 @@ def profile_preset(name: str, ctx: distributed.Dist, steps: int, tiny: bool, wor
 
 
 def main(argv: list[str] | None = None) -> dict | None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", choices=PRESETS, default=list(PRESETS), help="presets to read")
+    parser = gpu_arguments(__doc__, "read")
     parser.add_argument("--steps", type=int, default=6, help="profiled steps per preset")
     parser.add_argument("--trace", type=Path, help="keep each preset's Chrome trace in this folder")
-    parser.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # tests: the code path on a CPU
     args = parser.parse_args(argv)
     device = gpu_or_tiny("gpu-profile", "read", args.tiny)
     if device is None:

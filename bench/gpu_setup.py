@@ -3,6 +3,7 @@ stage (bench/gpu_check.py)."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import gc
 import hashlib
@@ -58,6 +59,14 @@ def preset(name: str, device: torch.device, tiny: bool) -> Setup:
     return Setup(name, config.parse(params, "model", ModelConfig), config.parse(params, "train", TrainConfig),
                  config.parse(params, "batch", BatchConfig), config.parse(params, "translate", TranslateConfig),
                  params["tokenize"]["vocab_size"], device)
+
+
+def arguments(doc: str, verb: str) -> argparse.ArgumentParser:
+    """A GPU bench's parser: its docstring's first line, --models (the presets to `verb`), the hidden --tiny."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--models", nargs="+", choices=PRESETS, default=list(PRESETS), help=f"presets to {verb}")
+    parser.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # tests: the code path on a CPU
+    return parser
 
 
 def gpu_or_tiny(tool: str, nothing: str, tiny: bool) -> torch.device | None:
