@@ -38,15 +38,21 @@ class Rotary(nn.Module):
     def forward(self, x: Tensor, start: int) -> Tensor:
         """x [B, L, G * d_k], G heads' queries or keys side by side, at positions start..start+L-1 -> the same shape.
 
-        Eager, in fp32 and fp64, each pair is one complex number times e^(i angle): one kernel each way, about
-        half the time of turning pair by pair with real products, which dtypes without a complex counterpart
-        (bf16) do, and compiled graphs (inductor fuses the real products, not complex ones). Both compute the
-        same rounded products and sums (equal to the bit on the x86 CPU measured, docs/benchmarks.md)."""
+        Eager, each pair is one complex number times e^(i angle), in fp64 for fp64 and in fp32 otherwise: one kernel
+        each way, about half the time of turning pair by pair with real products. On a CPU a bf16 x (the products'
+        outputs under autocast, pipeline/training/cpu_matmul.py) turns in fp32 too, rounded to bf16 once: 4 times as
+        fast as bf16's real products there, and nearer the exact turn. A GPU's bf16 and compiled graphs (inductor
+        fuses the real products, not complex ones) turn pair by pair in x's dtype; in fp32 both ways compute the same
+        rounded products and sums (equal to the bit on the x86 CPU measured, docs/benchmarks.md)."""
         L, half = x.shape[1], self.sin.shape[1]
         pairs = x.unflatten(-1, (-1, half, 2))  # [B, L, G, d_k / 2, 2]
-        sin, cos = (t[start : start + L, None].to(x.dtype) for t in (self.sin, self.cos))
-        if x.dtype in (torch.float32, torch.float64) and not torch.compiler.is_compiling():
+        wide = x.dtype in (torch.float32, torch.float64) or x.device.type == "cpu"
+        if wide and not torch.compiler.is_compiling():
+            dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+            sin, cos = (t[start : start + L, None].to(dtype) for t in (self.sin, self.cos))
             # e^(i angle) made here, not held: casting a module to a real dtype would drop a complex buffer's i.
-            return torch.view_as_real(torch.view_as_complex(pairs) * torch.complex(cos, sin)).flatten(2)
+            turned = torch.view_as_complex(pairs.to(dtype)) * torch.complex(cos, sin)
+            return torch.view_as_real(turned).flatten(2).to(x.dtype)
+        sin, cos = (t[start : start + L, None].to(x.dtype) for t in (self.sin, self.cos))
         even, odd = pairs.unbind(-1)  # [B, L, G, d_k / 2] each
         return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(2)

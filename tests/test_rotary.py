@@ -91,7 +91,7 @@ def test_rotary_needs_an_even_d_k_and_a_known_name():
         tiny_model(positional_encoding="relative")
 
 
-def test_rotary_turns_fp32_as_complex_numbers_and_bf16_pair_by_pair_to_the_same_angles(monkeypatch):
+def test_rotary_turns_as_complex_numbers_in_fp32_or_fp64_and_compiled_graphs_pair_by_pair(monkeypatch):
     rotary, start, d_k = Rotary(8, 64, 1000), 3, 8
     x = torch.randn(2, 6, 3 * d_k, dtype=torch.float64)
     grad_out = torch.randn_like(x)
@@ -102,16 +102,25 @@ def test_rotary_turns_fp32_as_complex_numbers_and_bf16_pair_by_pair_to_the_same_
     turned_back = torch.stack((g_even * cos + g_odd * sin, g_odd * cos - g_even * sin), dim=-1).flatten(2)
     for dtype, tolerance in ((torch.float64, 1e-12), (torch.float32, 1e-6), (torch.bfloat16, 2e-2)):
         turned = x.to(dtype).detach().requires_grad_()
-        out = rotary(turned, start)  # complex numbers in fp64 and fp32, pair by pair in bf16
+        out = rotary(turned, start)
         assert out.dtype == dtype and out.shape == x.shape
         out.backward(grad_out.to(dtype))
         torch.testing.assert_close(out.double(), rotary(x, start), rtol=tolerance, atol=tolerance)
         torch.testing.assert_close(turned.grad.double(), turned_back, rtol=tolerance, atol=tolerance)
-    # Compiled graphs turn fp32 pair by pair too: the same numbers.
+    # A CPU's bf16 (autocast's products) turns in fp32, rounded once: the fp32 turn of the same bf16 numbers.
+    x16 = x.bfloat16()
+    assert torch.equal(rotary(x16, start), rotary(x16.float(), start).bfloat16())
+    # Compiled graphs turn pair by pair: in fp32 the same numbers; in bf16 each real product rounded, further off.
     x32 = x.float()
-    complex_turn = rotary(x32, start)
+    complex_turn, bf16_turn = rotary(x32, start), rotary(x16, start)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     torch.testing.assert_close(rotary(x32, start), complex_turn, rtol=1e-6, atol=1e-6)
+    wide = torch.randn(8, 16, 3 * d_k, generator=torch.Generator().manual_seed(0)).bfloat16()
+    pair_by_pair, exact = rotary(wide, start), rotary(wide.double(), start)
+    monkeypatch.undo()
+    error = {name: float((turn.double() - exact).abs().mean()) for name, turn in
+             (("pair by pair", pair_by_pair), ("fp32", rotary(wide, start)))}
+    assert error["pair by pair"] > 1.3 * error["fp32"] > 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
