@@ -38,16 +38,15 @@ class Rotary(nn.Module):
     def forward(self, x: Tensor, start: int) -> Tensor:
         """x [B, L, G * d_k], G heads' queries or keys side by side, at positions start..start+L-1 -> the same shape.
 
-        Eager, each pair is one complex number times e^(i angle), in fp64 for fp64 and in fp32 otherwise: one kernel
-        each way, about half the time of turning pair by pair with real products. On a CPU a bf16 x (the products'
-        outputs under autocast, pipeline/training/cpu_matmul.py) turns in fp32 too, rounded to bf16 once: 4 times as
-        fast as bf16's real products there, and nearer the exact turn. A GPU's bf16 and compiled graphs (inductor
-        fuses the real products, not complex ones) turn pair by pair in x's dtype; in fp32 both ways compute the same
-        rounded products and sums (equal to the bit on the x86 CPU measured, docs/benchmarks.md)."""
+        Eager, each pair is one complex number times e^(i angle), in fp64 for fp64 and in fp32 for every other dtype
+        (a bf16 or fp16 x under autocast is rounded back once): one kernel each way, faster than turning pair by pair
+        with real products (forward + backward: about half the time in fp32, a quarter in bf16 on a CPU and half on an
+        H200) and nearer the exact turn (docs/benchmarks.md). Compiled graphs turn pair by pair in x's dtype (inductor
+        fuses the real products, not complex ones); in fp32 both ways compute the same rounded products and sums (equal
+        to the bit on the x86 CPU measured)."""
         L, half = x.shape[1], self.sin.shape[1]
         pairs = x.unflatten(-1, (-1, half, 2))  # [B, L, G, d_k / 2, 2]
-        wide = x.dtype in (torch.float32, torch.float64) or x.device.type == "cpu"
-        if wide and not torch.compiler.is_compiling():
+        if not torch.compiler.is_compiling():
             dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
             sin, cos = (t[start : start + L, None].to(dtype) for t in (self.sin, self.cos))
             # e^(i angle) made here, not held: casting a module to a real dtype would drop a complex buffer's i.
