@@ -23,9 +23,10 @@ batch.max_tokens = 2500, one batch per step.
 
 Both run in one process, alternating rounds of `--steps` timed steps (after one
 warm-up step each) so that load from other programs hits both alike, with the
-matrix products the default's train.cpu_matmul picks on this CPU (fp32 by
-oneDNN or torch's BLAS: pipeline/training/cpu_matmul.py) and the attention
-kernels that go with them, for both. Reported: real target tokens per second, and MFU = analytic
+matrix products the default's train.cpu_matmul picks on this CPU (bf16 autocast on
+AVX-512 BF16 without AMX, else fp32 by oneDNN or torch's BLAS:
+pipeline/training/cpu_matmul.py) and the attention kernels that go with them, for
+both; ours without the default's R-Drop (bench.rdrop times it). Reported: real target tokens per second, and MFU = analytic
 training FLOPs (model.flops.training_flops on real tokens) / (best round's time x
 the machine's matmul peak in those products: the best of
 model.flops.measure_matmul_peak before and after every round, since a shared
@@ -40,6 +41,7 @@ import contextlib
 import math
 import statistics
 import time
+from dataclasses import replace
 from typing import Callable
 
 import numpy as np
@@ -84,9 +86,13 @@ def synthetic_corpus(pairs: int, seed: int = 0, vocab: int = VOCAB, mean: float 
 
 
 def default_configs(overrides: list[str] | tuple[str, ...] = ()) -> tuple[ModelConfig, TrainConfig]:
-    """The default preset's model and train sections (conf/ composed with `overrides`, none by default)."""
+    """The default preset's model and train sections (conf/ composed with `overrides`, none by default); without
+    R-Drop unless an override names train.rdrop_alpha: the benches time the model's own step (bench.rdrop adds it)."""
     params = config.compose(list(overrides))
-    return config.parse(params, "model", ModelConfig), config.parse(params, "train", TrainConfig)
+    train = config.parse(params, "train", TrainConfig)
+    if not any(o.startswith("train.rdrop_alpha=") for o in overrides):
+        train = replace(train, rdrop_alpha=0.0)
+    return config.parse(params, "model", ModelConfig), train
 
 
 def synthetic_batches(max_tokens: int, count: int, vocab: int = VOCAB) -> tuple[Ragged, Ragged, list, np.ndarray,

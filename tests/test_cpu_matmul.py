@@ -40,7 +40,9 @@ def as_cpu(monkeypatch, text: str) -> None:
     ("bf16", XEON, CPU, "bf16"), ("auto", XEON, CUDA, "fp32"), ("bf16", EPYC, CUDA, "fp32"),
     ("fp32", ZEN, CPU, "onednn"), ("auto", ZEN, CPU, "autocast"), ("bf16", ZEN, CPU, "autocast"),
     ("blas", ZEN, CPU, "fp32"), ("auto", SKYLAKE, CPU, "onednn"), ("fp32", SKYLAKE, CPU, "onednn"),
-    ("blas", XEON, CPU, "fp32"), ("fp32", EPYC, CPU, "fp32"), ("fp32", ZEN, CUDA, "fp32")])
+    ("blas", XEON, CPU, "fp32"), ("fp32", EPYC, CPU, "fp32"), ("fp32", ZEN, CUDA, "fp32"),
+    ("autocast", ZEN, CPU, "autocast"), ("autocast", XEON, CPU, "fp32"), ("autocast", EPYC, CPU, "fp32"),
+    ("autocast", SKYLAKE, CPU, "onednn"), ("autocast", ZEN, CUDA, "fp32")])
 def test_bf16_on_amx_and_avx512_bf16_and_onednns_fp32_on_avx512_without_them(setting, text, device, want, monkeypatch):
     monkeypatch.setattr(cpu_matmul, "onednn_keeps_fp32", lambda: True)
     assert cpu_matmul.choose(setting, device, text) == want

@@ -17,6 +17,9 @@ Settings:
         fast a product as oneDNN's fp32, 1.18x the default's step). A CPU with neither fails with one line.
   auto  bf16 on a CPU with AMX or AVX-512 BF16, else what fp32 chooses; a GPU ignores the setting (it trains under
         autocast: distributed.mixed_precision).
+  autocast  bf16 autocast on a CPU with AVX-512 BF16 and without AMX, else what fp32 chooses (AMX's bf16 products
+        cost the default valid BLEU: docs/results.md). The default's: with train.rdrop_where = autocast, its R-Drop
+        trains where this pays for it.
 
 oneDNN computes a process's fp32 products only when torch's flag allows it bf16
 (torch.backends.mkldnn.matmul.fp32_precision = "bf16"): on AMX it then rounds them, on a CPU
@@ -92,11 +95,10 @@ def choose(setting: str, device: torch.device, text: str | None = None) -> str:
     if device.type != "cpu":
         return "fp32"
     amx, onednn = has_amx(text), torch.backends.mkldnn.is_available()
-    if setting in ("bf16", "auto"):
-        if amx:
-            return "bf16"
-        if has_avx512_bf16(text) and onednn:
-            return "autocast"
+    if setting in ("bf16", "auto") and amx:
+        return "bf16"
+    if setting in ("bf16", "auto", "autocast") and not amx and has_avx512_bf16(text) and onednn:
+        return "autocast"
     if setting == "bf16":
         raise ParamsError(f"train.cpu_matmul = 'bf16': this CPU has neither AMX nor AVX-512 BF16 ({AMX_FLAG}, "
                           f"{AVX512_BF16} are not among the flags of /proc/cpuinfo)"

@@ -84,7 +84,8 @@ def step_tokens_metrics(p: Progress) -> dict[str, float]:
 
 
 def train_metrics(p: Progress, *, stopped_by_time: bool, train_batches: int, cuda_graphs: tuple[int | None, int | None],
-                  peak: Peak, world: int, accum: int, code_hash: str, phash: str, precision: str = "fp32") -> dict:
+                  peak: Peak, world: int, accum: int, code_hash: str, phash: str, precision: str = "fp32",
+                  rdrop_alpha: float = 0.0) -> dict:
     """metrics/train.json: flat, the DVC record of the run. tokens_per_second and mfu are over the steps' time
     less their compiling (step_seconds - compile_seconds: Progress.train_seconds), so a compiled run's rate
     is its steady one; step_seconds is every step's time, compiling included.
@@ -111,6 +112,7 @@ def train_metrics(p: Progress, *, stopped_by_time: bool, train_batches: int, cud
         "tokens_per_second": p.train_tokens / p.train_seconds if p.train_seconds else 0.0,
         "device": peak.device,
         "precision": precision,  # distributed.precision: fp32, a GPU's autocast, or a CPU's bf16 products
+        "rdrop_alpha": rdrop_alpha,  # R-Drop's alpha as trained, 0 without (train.rdrop_where: Trainer's trained_rdrop)
         "devices": world,
         "grad_accum": accum,
         "code_hash": code_hash,

@@ -36,7 +36,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -65,6 +65,15 @@ from pipeline.training.run_checkpoints import RunCheckpoints
 from pipeline.training.validation import validate
 
 log = logging.getLogger(__name__)
+
+
+def trained_rdrop(cfg: TrainConfig, autocasting: bool) -> TrainConfig:
+    """cfg as this run trains it: with train.rdrop_where = autocast and a step that runs without autocast (a CPU's
+    fp32 products), no R-Drop (rdrop_alpha 0, metrics/train.json's record), logged; else cfg itself."""
+    if cfg.rdrop_alpha > 0 and cfg.rdrop_where == "autocast" and not autocasting:
+        log.info("R-Drop off: train.rdrop_where = autocast and this step trains without autocast (fp32 products)")
+        return replace(cfg, rdrop_alpha=0.0)
+    return cfg
 
 
 class Trainer(RunCheckpoints):
@@ -100,6 +109,9 @@ class Trainer(RunCheckpoints):
         self.precision = distributed.precision(ctx, cpu_matmul.describe(self.products))
         self.autocast, self.scaler = distributed.mixed_precision(ctx, self.precision,
                                                                  cpu_matmul.autocast_dtype(self.products))
+        given = cfg  # the params, as MLflow records them; self.cfg and cfg from here: as this run trains them
+        self.cfg = cfg = trained_rdrop(cfg, cpu_matmul.autocast_dtype(self.products) is not None
+                                       or distributed.autocast_dtype(ctx.device) != torch.float32)
         torch.manual_seed(cfg.seed + ctx.rank)  # dropout masks differ between ranks
         # The code that shapes the weights (every project file train imports), recorded in each checkpoint:
         # a checkpoint of other code is not resumed (pipeline/weights/checkpoint.py, resume_point).
@@ -128,7 +140,7 @@ class Trainer(RunCheckpoints):
                         left_out, model_cfg.max_positions)
         self.peak = (peak.peak_flops(ctx, products=cpu_matmul.precision(self.products)) if ctx.is_main
                      else peak.Peak(0.0, 0.0, "", "", None))
-        run.log_params({"model": asdict(model_cfg), "train": asdict(cfg), "batch.max_tokens": max_tokens,
+        run.log_params({"model": asdict(model_cfg), "train": asdict(given), "batch.max_tokens": max_tokens,
                         "grad_accum": self.accum, "device": self.peak.device, "precision": self.precision,
                         "params_hash": phash,
                         "code_hash": self.code_hash,
@@ -299,4 +311,5 @@ class Trainer(RunCheckpoints):
         return records.train_metrics(
             self.progress, stopped_by_time=self.stopped_by_time, train_batches=len(self.data.train_batches),
             cuda_graphs=graphs.totals(self.ctx.device) if self.cfg.cuda_graphs else (None, None), peak=self.peak,
-            world=self.ctx.world, accum=self.accum, code_hash=self.code_hash, phash=self.phash, precision=self.precision)
+            world=self.ctx.world, accum=self.accum, code_hash=self.code_hash, phash=self.phash, precision=self.precision,
+            rdrop_alpha=self.cfg.rdrop_alpha)
