@@ -16,6 +16,7 @@ from model.rdrop import pair_terms, paired_rows, rdrop_loss
 from model.transformer import Transformer
 from pipeline.core.config import ParamsError, TrainConfig, parse
 from pipeline.training import cpu_matmul, plan
+from pipeline.training.trainer import trained_rdrop
 from tests.test_cpu_matmul import AUTOCAST, XEON, ZEN, as_cpu
 from tests.train_fixtures import MODEL, TRAIN, VOCAB, final_weights, run_stage, write_corpus, write_params
 
@@ -189,6 +190,7 @@ def test_rdrop_where_autocast_trains_it_only_under_autocast_and_records_what_ran
         tmp_path, monkeypatch, caplog):
     from mlflow.tracking import MlflowClient
 
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU's products, on a GPU machine too
     as_cpu(monkeypatch, XEON)  # AMX: cpu_matmul autocast keeps fp32 products (torch's BLAS), so no R-Drop
     plain, plain_weights = train(tmp_path / "plain")
     with caplog.at_level(logging.INFO):
@@ -208,3 +210,12 @@ def test_rdrop_where_autocast_trains_it_only_under_autocast_and_records_what_ran
     runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
     assert sorted(r.data.metrics["rdrop_alpha"] for r in runs) == [0.0, 0.0, 5.0]
     assert sorted(r.data.params["train.rdrop_alpha"] for r in runs) == ["0.0", "5.0", "5.0"]  # the params as given
+
+
+@pytest.mark.parametrize("where, autocasting, alpha", [("always", False, 5.0), ("always", True, 5.0),
+                                                       ("autocast", True, 5.0), ("autocast", False, 0.0)])
+def test_rdrop_where_autocast_drops_it_only_from_a_step_without_autocast(where, autocasting, alpha):
+    cfg = parse({"train": {**TRAIN, "rdrop_alpha": 5.0, "rdrop_fraction": 0.25, "rdrop_where": where}}, "train",
+                TrainConfig)
+    trained = trained_rdrop(cfg, autocasting)
+    assert trained.rdrop_alpha == alpha and trained.rdrop_fraction == 0.25 and trained.seed == cfg.seed
