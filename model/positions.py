@@ -44,14 +44,21 @@ class Rotary(nn.Module):
         H200) and nearer the exact turn (docs/benchmarks.md). Compiled graphs turn pair by pair in x's dtype (inductor
         fuses the real products, not complex ones); in fp32 both ways compute the same rounded products and sums (equal
         to the bit on the x86 CPU measured)."""
+        return self.pair_by_pair(x, start) if torch.compiler.is_compiling() else self.complex_turn(x, start)
+
+    def complex_turn(self, x: Tensor, start: int) -> Tensor:
+        """forward's eager turn: each pair one complex number in fp32 (fp64 for fp64), x's dtype again after."""
         L, half = x.shape[1], self.sin.shape[1]
-        pairs = x.unflatten(-1, (-1, half, 2))  # [B, L, G, d_k / 2, 2]
-        if not torch.compiler.is_compiling():
-            dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-            sin, cos = (t[start : start + L, None].to(dtype) for t in (self.sin, self.cos))
-            # e^(i angle) made here, not held: casting a module to a real dtype would drop a complex buffer's i.
-            turned = torch.view_as_complex(pairs.to(dtype)) * torch.complex(cos, sin)
-            return torch.view_as_real(turned).flatten(2).to(x.dtype)
+        dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+        pairs = x.unflatten(-1, (-1, half, 2)).to(dtype)  # [B, L, G, d_k / 2, 2]
+        sin, cos = (t[start : start + L, None].to(dtype) for t in (self.sin, self.cos))
+        # e^(i angle) made here, not held: casting a module to a real dtype would drop a complex buffer's i.
+        turned = torch.view_as_complex(pairs) * torch.complex(cos, sin)
+        return torch.view_as_real(turned).flatten(2).to(x.dtype)
+
+    def pair_by_pair(self, x: Tensor, start: int) -> Tensor:
+        """forward's compiled turn: each pair by real products in x's dtype."""
+        L, half = x.shape[1], self.sin.shape[1]
+        even, odd = x.unflatten(-1, (-1, half, 2)).unbind(-1)  # [B, L, G, d_k / 2] each
         sin, cos = (t[start : start + L, None].to(x.dtype) for t in (self.sin, self.cos))
-        even, odd = pairs.unbind(-1)  # [B, L, G, d_k / 2] each
         return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(2)
