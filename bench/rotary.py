@@ -17,15 +17,11 @@ import time
 
 import torch
 
+from bench.gpu_setup import sync
 from model.positions import Rotary
 
 SHAPES = {"default": ((81, 19, 512), 32), "base": ((800, 34, 512), 64), "big": ((400, 34, 1024), 64)}
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def passes(turn, x: torch.Tensor, grad: torch.Tensor, repeats: int) -> float:

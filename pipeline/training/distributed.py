@@ -278,7 +278,7 @@ def mixed_precision(ctx: Dist, label: str | None = None, cpu_dtype: torch.dtype 
     `label`: precision()'s line (a CPU's matrix products), checked the same way; else that of autocast_dtype.
     `cpu_dtype`: a CPU's autocast dtype (bf16 on AVX-512 BF16: cpu_matmul.autocast_dtype), None for fp32."""
     device = ctx.device
-    dtype = cpu_dtype if cpu_dtype is not None and device.type == "cpu" else autocast_dtype(device)
+    dtype = training_dtype(device, cpu_dtype)
     label = label or PRECISIONS[dtype]
     where = (f" ({torch.cuda.get_device_name(device)}, compute capability "
              f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))})" if device.type == "cuda" else "")
@@ -289,6 +289,12 @@ def mixed_precision(ctx: Dist, label: str | None = None, cpu_dtype: torch.dtype 
                       "train.cpu_matmul chooses by the CPU's flags (AMX, AVX-512)")
     autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
     return autocast, torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+
+
+def training_dtype(device: torch.device, cpu_dtype: torch.dtype | None = None) -> torch.dtype:
+    """The dtype a training step on `device` runs under autocast in (fp32: none): a CPU's `cpu_dtype` where given
+    (cpu_matmul.autocast_dtype), else autocast_dtype."""
+    return cpu_dtype if cpu_dtype is not None and device.type == "cpu" else autocast_dtype(device)
 
 
 def autocast_dtype(device: torch.device) -> torch.dtype:

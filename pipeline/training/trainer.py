@@ -107,11 +107,10 @@ class Trainer(RunCheckpoints):
         self.products = cpu_matmul.choose(cfg.cpu_matmul, ctx.device)
         cpu_matmul.use(self.products)
         self.precision = distributed.precision(ctx, cpu_matmul.describe(self.products))
-        self.autocast, self.scaler = distributed.mixed_precision(ctx, self.precision,
-                                                                 cpu_matmul.autocast_dtype(self.products))
+        cpu_dtype = cpu_matmul.autocast_dtype(self.products)
+        self.autocast, self.scaler = distributed.mixed_precision(ctx, self.precision, cpu_dtype)
         given = cfg  # the params, as MLflow records them; self.cfg and cfg from here: as this run trains them
-        self.cfg = cfg = trained_rdrop(cfg, cpu_matmul.autocast_dtype(self.products) is not None
-                                       or distributed.autocast_dtype(ctx.device) != torch.float32)
+        self.cfg = cfg = trained_rdrop(cfg, distributed.training_dtype(ctx.device, cpu_dtype) != torch.float32)
         torch.manual_seed(cfg.seed + ctx.rank)  # dropout masks differ between ranks
         # The code that shapes the weights (every project file train imports), recorded in each checkpoint:
         # a checkpoint of other code is not resumed (pipeline/weights/checkpoint.py, resume_point).
