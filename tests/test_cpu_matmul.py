@@ -13,26 +13,12 @@ from mlflow.tracking import MlflowClient
 
 from pipeline.core.config import ParamsError
 from pipeline.training import attention, cpu_matmul, distributed, peak
+from tests.cpu_fixtures import AUTOCAST, BF16, EPYC, ONEDNN, SKYLAKE, XEON, ZEN, as_cpu
 from tests.train_fixtures import final_weights, stage_args, write_corpus, write_params
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 CTX = distributed.Dist(0, 1, 0, CPU)
-XEON = ("processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Processor\ncpu MHz\t\t: 2500.000\n"
-        "flags\t\t: fpu sse2 avx fma avx2 avx512f avx512_bf16 amx_bf16 amx_tile amx_int8\n")
-EPYC = "processor\t: 0\nmodel name\t: AMD EPYC\ncpu MHz\t\t: 2445.406\nflags\t\t: fpu sse2 avx fma avx2\n"
-ZEN = ("processor\t: 0\nmodel name\t: AMD EPYC\ncpu MHz\t\t: 3000.000\n"
-       "flags\t\t: fpu sse2 avx fma avx2 avx512f avx512dq avx512bw avx512vl avx512_bf16\n")
-SKYLAKE = ("processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Processor\ncpu MHz\t\t: 2000.000\n"
-           "flags\t\t: fpu sse2 avx fma avx2 avx512f avx512dq avx512bw avx512vl\n")  # AVX-512 without bf16
-BF16, ONEDNN = "fp32, bf16 matrix products (AMX)", "fp32 (oneDNN's matrix products)"
-AUTOCAST = "fp32 weights, bf16 autocast (AVX-512 BF16)"
 NATIVE_AVX512 = cpu_matmul.has_avx512() and not cpu_matmul.has_amx()
-
-
-def as_cpu(monkeypatch, text: str) -> None:
-    """Make /proc/cpuinfo read `text` for the choice and the peak."""
-    read = peak.cpuinfo
-    monkeypatch.setattr(peak, "cpuinfo", lambda field, t=None: read(field, text if t is None else t))
 
 
 @pytest.mark.parametrize("setting, text, device, want", [

@@ -11,6 +11,7 @@ import torch
 from pipeline.training import peak
 from pipeline.training.distributed import Dist
 from pipeline.training.peak import Peak
+from tests.cpu_fixtures import EPYC
 
 CPU = Dist(0, 1, 0, torch.device("cpu"))
 
@@ -58,9 +59,6 @@ def test_an_unreadable_cache_is_measured_again_and_rewritten(tmp_path, caplog):
         assert peak.cached_peak(path, "k", Measure(3.0e11)) == (3.0e11, "measured")
     assert "unreadable peak cache" in caplog.text and str(path) in caplog.text
     assert peak.read_cache(path) == {"k": 3.0e11}
-
-
-EPYC = "processor\t: 0\nmodel name\t: AMD EPYC\ncpu MHz\t\t: 2445.406\nflags\t\t: fpu sse2 avx fma avx2\n"
 
 
 @pytest.mark.parametrize("flags, per_cycle", [("sse2 avx fma avx2", 32), ("sse2 avx fma avx2 avx512f", 64),

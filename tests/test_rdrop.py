@@ -17,7 +17,7 @@ from model.transformer import Transformer
 from pipeline.core.config import ParamsError, TrainConfig, parse
 from pipeline.training import cpu_matmul, plan
 from pipeline.training.trainer import trained_rdrop
-from tests.test_cpu_matmul import AUTOCAST, XEON, ZEN, as_cpu
+from tests.cpu_fixtures import AUTOCAST, XEON, ZEN, as_cpu
 from tests.train_fixtures import MODEL, TRAIN, VOCAB, final_weights, run_stage, write_corpus, write_params
 
 pytestmark = pytest.mark.usefixtures("one_thread")
