@@ -40,8 +40,8 @@ def measure(name: str, device: torch.device, dtype: torch.dtype, repeats: int, r
     (batch, length, width), d_k = SHAPES[name]
     rotary = Rotary(d_k, 1024, 1000.0).to(device)
     generator = torch.Generator(device="cpu").manual_seed(0)
-    x, grad, warm = (torch.randn(batch, n, width, generator=generator).to(device, dtype) for n in (length, length,
-                                                                                                     length + 1))
+    lengths = (length, length, length + 1)  # warm-up on a length the timed passes do not meet
+    x, grad, warm = (torch.randn(batch, n, width, generator=generator).to(device, dtype) for n in lengths)
     x.requires_grad_(True)
     warm.requires_grad_(True)
     ways = {"pair by pair": rotary.pair_by_pair, "complex fp32": rotary.complex_turn}
