@@ -7,8 +7,10 @@ projections, the feed-forward's two layers, the shared embedding as the output p
 batch.max_tokens rows: the forward product and the two of its backward (input and weight gradients),
 each timed by torch's BLAS (what `torch.nn.functional.linear` and `@` run with train.cpu_matmul = blas)
 and by oneDNN through `torch.ops.mkldnn._linear_pointwise` (its fp32 kernels, whatever torch's
-dispatch would choose on this CPU), the median of --repeats after 5 warm-up calls, the two alternating
-product by product so that load from other programs hits both alike. Prints a line per product (ms,
+dispatch would choose on this CPU), the median of --repeats after 5 warm-up calls, one product at a time
+(BLAS's calls, then oneDNN's). Each product is warmed on the shape it then times: this flatters oneDNN,
+which compiles and keeps a kernel per shape (a run's 217 batch shapes meet it colder), so a result
+against oneDNN holds for the train stage. Prints a line per product (ms,
 oneDNN's speed over BLAS's, their largest difference relative to the product's largest entry) and the
 sums; exits non-zero if the two disagree beyond fp32 rounding. Which library the train stage uses on
 which CPU: pipeline/training/cpu_matmul.py; figures: docs/benchmarks.md.
@@ -39,7 +41,11 @@ def weight_shapes(model: ModelConfig, vocab: int) -> list[tuple[str, int, int]]:
             ("feed-forward 1", d, model.d_ff), ("feed-forward 2", model.d_ff, d), ("output projection", d, vocab)]
 
 
-def median_seconds(fn: Callable[[], torch.Tensor], repeats: int, warmup: int = 5) -> float:
+Product = Callable[[], torch.Tensor]
+
+
+def median_seconds(fn: Product, repeats: int, warmup: int = 5) -> float:
+    """The median seconds of `repeats` calls of `fn` after `warmup` untimed ones."""
     for _ in range(warmup):
         fn()
     times = []
@@ -48,9 +54,6 @@ def median_seconds(fn: Callable[[], torch.Tensor], repeats: int, warmup: int = 5
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
-
-
-Product = Callable[[], torch.Tensor]
 
 
 def products(rows: int, n_in: int, n_out: int) -> list[tuple[str, Product, Product]]:
