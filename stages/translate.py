@@ -1,6 +1,7 @@
 """Translate the test and valid sets with the averaged model and beam search (Sec. 6.1).
 
-    python -m stages.translate --model data/model --tokenized data/tokenized --raw data/raw --out data/translations [--params params.yaml]
+    python -m stages.translate --model data/model --tokenized data/tokenized --export data/export --raw data/raw
+                               --out data/translations [--engine project|ctranslate2] [--params params.yaml]
 
 Reads params `translate` (TranslateConfig): beam_size, length_penalty (alpha),
 the output length limit max_len_a * S + max_len_b and max_tokens. Each split's
@@ -8,7 +9,7 @@ encoded source ids (data/tokenized/{split}.{src}, plus EOS) are sorted longest
 first and cut into batches of at most `max_tokens` padded source tokens and
 at most max_tokens // beam_size sentences (so that the decoder's beam_size rows
 per sentence stay within max_tokens rows too); each batch is one batched beam
-search (model/beam_search.py). Outputs go back to the original order, are
+search (model/beam_search.py; pipeline/decoding.py). Outputs go back to the original order, are
 detokenized with the sentencepiece model, and written (both splits at once,
 atomically) as data/translations/{split}.{tgt}: line i translates source line i.
 An empty source line (or one that encodes to no pieces) is not decoded: its
@@ -19,9 +20,14 @@ Precision: the training precision of the device (distributed.autocast_dtype: bf1
 7.x, fp32 on CPUs), the weights cast to it once (decoding_precision); recorded as the MLflow param
 `decode_precision` and in the log.
 
+Engine: translate.engine (or --engine) ctranslate2 decodes with the export stage's CTranslate2 model (data/export)
+instead, with the same tokenization, source cut, beam size and length limits, and the length penalty mapped
+(pipeline/export/engine.py says how); that path never imports torch.
+
 Interactive / piped use, same model, search and params:
 
     echo "A man rides a bike." | python -m stages.translate --stdin
+    echo "A man rides a bike." | python -m stages.translate --stdin --engine ctranslate2
     python -m stages.translate --stdin --model data/model --tokenized data/tokenized < sentences.en
 
 reads raw sentences from stdin, one per line, and prints one translation per
@@ -35,130 +41,37 @@ after the lines before it have been translated and printed.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import os
 import select
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator
 
 import numpy as np
 import sentencepiece as spm
-import torch
-from torch.nn.utils.rnn import pad_sequence
-from pipeline.progress import progress_bar
 
-from model.beam_search import Hypothesis, beam_search
-from model.transformer import Transformer
 from pipeline.core import cli, config, tracking
-from pipeline.training import attention, distributed
-from pipeline.weights.checkpoint import load_model
-from pipeline.core.config import ParamsError, TranslateConfig
+from pipeline.core.config import TranslateConfig
 from pipeline.corpus.rawtext import decode_line
-from pipeline.corpus.formats import BOS_ID, DECODED_SPLITS, EOS_ID, PAD_ID, load_spm, load_split, read_meta
+from pipeline.corpus.formats import DECODED_SPLITS, load_spm, load_split, read_meta
 from pipeline.core.files import InputError, atomic_dir, count_lines, write_text
 
 log = logging.getLogger(__name__)
 
-def max_source_len(max_positions: int, cfg: TranslateConfig) -> int:
-    """Longest source (EOS included) that fits the positional encoding, and whose output limit fits too."""
-    if cfg.max_len_a == 0:
-        return max_positions if cfg.max_len_b <= max_positions else 0
-    return min(max_positions, int((max_positions - cfg.max_len_b) // cfg.max_len_a))
+# The project's decoder (pipeline/decoding.py, with torch), imported where first used: the ctranslate2 engine's
+# --stdin never imports torch (start-up in a fraction of a second).
+_DECODING = ("decoding_precision", "decoding_batches", "parallel_searches", "torch_threads", "translate_ids")
 
 
-def decoding_precision(model: Transformer) -> torch.dtype:
-    """Cast `model` in place, once, to the precision training ran in on its device; returns that dtype.
+def __getattr__(name: str):
+    if name in _DECODING:
+        from pipeline import decoding
 
-    The whole model, as fairseq's generate does with --fp16 (model.half()), not autocast around each step:
-    autocast's cast weights are cached only until its block exits, so a step under autocast casts every weight
-    again. In bf16 the residual stream and LayerNorm outputs are rounded to bf16; LayerNorm and softmax still
-    accumulate in fp32 inside their kernels, and beam search scores fp32 log-probabilities (_next_logits).
-    A CPU decodes in fp32, as it trains: the model is left as it is.
-    """
-    dtype = distributed.autocast_dtype(model.embedding.weight.device)
-    model.to(dtype)  # in place: parameters and buffers (nothing to do in fp32)
-    return dtype
-
-
-def decoding_batches(lengths: np.ndarray, max_tokens: int, max_sentences: int) -> list[np.ndarray]:
-    """Sentence indices, longest first, in batches of <= max_tokens padded tokens and <= max_sentences sentences."""
-    order = np.argsort(-lengths, kind="stable")
-    batches, start = [], 0
-    while start < len(order):
-        n = min(max(1, max_tokens // int(lengths[order[start]])), max_sentences)  # the first is the longest
-        batches.append(order[start : start + n])
-        start += n
-    return batches
-
-
-def parallel_searches(batches: list[np.ndarray], threads: int, cuda: bool) -> tuple[list[np.ndarray], int, int]:
-    """(batches to search, searches run at once, torch threads each) for `threads` CPU threads.
-
-    A beam step is hundreds of small operations: torch threads splitting each one
-    wait for each other at every one of them (on a busy machine, for whoever
-    holds a core), so whole batches run side by side on one thread each instead.
-    Each batch is cut into one part per search (its sentences have alike
-    lengths, so the parts cost alike): the searches get equal shares whatever
-    the number of batches (5 whole batches on 2 threads would idle one thread a
-    fifth of the time).
-    """
-    sentences = sum(len(b) for b in batches)
-    if cuda or threads <= 1 or sentences <= 1:
-        return batches, 1, threads
-    workers = min(threads, sentences)
-    parts = [part for batch in batches for part in np.array_split(batch, workers) if len(part)]
-    return parts, workers, max(1, threads // workers)
-
-
-@contextlib.contextmanager
-def torch_threads(n: int) -> Iterator[None]:
-    """torch.set_num_threads(n) for the block, then back."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-def translate_ids(
-    model: Transformer, sources: Sequence[np.ndarray], cfg: TranslateConfig, progress: bool = True,
-    use_cache: bool = True,
-) -> list[list[int]]:
-    """Output ids (no BOS/EOS) for each source (ids without EOS), in input order (use_cache: see beam_search)."""
-    device = model.embedding.weight.device
-    limit = max_source_len(model.max_positions, cfg) - 1  # room for EOS
-    if limit < 0:
-        raise ParamsError(f"translate.max_len_a = {cfg.max_len_a}, max_len_b = {cfg.max_len_b}: even an empty source's "
-                          f"output limit exceeds the model's max_positions = {model.max_positions}")
-    lengths = np.fromiter((min(len(s), limit) + 1 for s in sources), dtype=np.int64, count=len(sources))
-    if truncated := sum(len(s) > limit for s in sources):  # Paper: no limit; ours is model.max_positions
-        log.warning("%d source sentence(s) longer than %d tokens are cut to fit model.max_positions", truncated, limit)
-
-    def search(batch: np.ndarray) -> list[Hypothesis]:
-        rows = [torch.from_numpy(np.append(sources[i][:limit].astype(np.int64), EOS_ID)) for i in batch]
-        src = pad_sequence(rows, batch_first=True, padding_value=PAD_ID).to(device)  # [B, S]
-        return beam_search(model, src, cfg.beam_size, cfg.length_penalty, cfg.max_len_a, cfg.max_len_b, BOS_ID, EOS_ID,
-                           use_cache)
-
-    nonempty = np.flatnonzero(np.fromiter((len(s) > 0 for s in sources), dtype=bool, count=len(sources)))
-    batches = [nonempty[b] for b in decoding_batches(lengths[nonempty], cfg.max_tokens,
-                                                     max(1, cfg.max_tokens // cfg.beam_size))]
-    batches, workers, threads = parallel_searches(batches, torch.get_num_threads(), device.type == "cuda")
-    outputs: list[list[int]] = [[] for _ in sources]
-    with (progress_bar(total=len(sources), unit="sentence", desc="translate", disable=not progress, mininterval=5) as bar,
-          torch_threads(threads), ThreadPoolExecutor(workers) as pool):
-        bar.update(len(sources) - len(nonempty))  # an empty line is not decoded: its translation is empty
-        for batch, hyps in zip(batches, pool.map(search, batches)):  # each batch's result is its own: same outputs
-            for i, hyp in zip(batch.tolist(), hyps):
-                outputs[i] = hyp.tokens
-            bar.update(len(batch))
-    return outputs
+        return getattr(decoding, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def detokenize(sp: spm.SentencePieceProcessor, outputs: list[list[int]]) -> list[str]:
@@ -166,8 +79,11 @@ def detokenize(sp: spm.SentencePieceProcessor, outputs: list[list[int]]) -> list
     return [line.replace("\n", " ") for line in sp.decode(outputs)] if outputs else []
 
 
-def translate_split(model: Transformer, sp: spm.SentencePieceProcessor, tokenized: Path, raw: Path,
-                    split: str, langs: tuple[str, str], cfg: TranslateConfig) -> list[str]:
+Decode = Callable[[list[np.ndarray], bool], list[list[int]]]  # (sources, progress bar) -> output ids per source
+
+
+def translate_split(decode: Decode, sp: spm.SentencePieceProcessor, tokenized: Path, raw: Path,
+                    split: str, langs: tuple[str, str]) -> list[str]:
     """Translate one split's encoded source, after checking it still matches the raw file."""
     sources = load_split(tokenized, split, langs[0])
     raw_path = raw / f"{split}.{langs[0]}"
@@ -177,7 +93,7 @@ def translate_split(model: Transformer, sp: spm.SentencePieceProcessor, tokenize
         raise InputError(f"{tokenized}: {split}.{langs[0]} holds {len(sources)} sentences but {raw_path} has {n} "
                          "lines; re-run the tokenize stage")
     start = time.perf_counter()
-    lines = detokenize(sp, translate_ids(model, sources, cfg))
+    lines = detokenize(sp, decode(list(sources), True))
     seconds = time.perf_counter() - start
     log.info("%s: %d sentences in %.1f s (%.1f sentences/s)", split, len(lines), seconds,
              len(lines) / max(seconds, 1e-9))
@@ -213,46 +129,75 @@ def stdin_batches(fd: int, max_lines: int) -> Iterator[list[str]]:
             lines = []
 
 
-def translate_stdin(model: Transformer, sp: spm.SentencePieceProcessor, cfg: TranslateConfig) -> None:
+def translate_stdin(decode: Decode, sp: spm.SentencePieceProcessor, cfg: TranslateConfig) -> None:
     """Translate stdin line by line to stdout, flushing after every group of lines."""
     if sys.stdin.isatty():
         print("Type a sentence and press Enter (Ctrl-D to end).", file=sys.stderr, flush=True)
     for lines in stdin_batches(sys.stdin.fileno(), max(1, cfg.max_tokens // cfg.beam_size)):
         sources = [np.asarray(ids, dtype=np.int64) for ids in sp.encode(lines)]
-        for line in detokenize(sp, translate_ids(model, sources, cfg, progress=False)):
+        for line in detokenize(sp, decode(sources, False)):
             sys.stdout.write(line + "\n")
         sys.stdout.flush()
+
+
+def project_decoder(args: argparse.Namespace, cfg: TranslateConfig) -> tuple[Decode, spm.SentencePieceProcessor, str]:
+    """The project's beam search on the averaged model (data/model): (decode, sentencepiece, precision)."""
+    import torch
+
+    from pipeline import decoding
+    from pipeline.training import attention
+    from pipeline.weights.checkpoint import load_model
+
+    if "OMP_NUM_THREADS" not in os.environ:  # an explicit setting wins
+        torch.set_num_threads(os.cpu_count() or 1)
+    model = load_model(args.model, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    precision = str(decoding.decoding_precision(model)).removeprefix("torch.")  # float32, bfloat16, float16
+    log.info("decoding in %s", precision)
+    log.info("attention: %s", attention.use(model.embedding.weight.device))  # the kernels training chose, on CUDA
+    sp = load_spm(args.tokenized, model.embedding.num_embeddings)
+    return (lambda sources, progress: decoding.translate_ids(model, sources, cfg, progress=progress)), sp, precision
+
+
+def ctranslate2_decoder(args: argparse.Namespace, cfg: TranslateConfig
+                        ) -> tuple[Decode, spm.SentencePieceProcessor, str]:
+    """The export stage's CTranslate2 model (data/export), without torch: (decode, sentencepiece, precision)."""
+    from pipeline.export.engine import Ctranslate2Engine, default_threads
+
+    engine = Ctranslate2Engine(args.export, default_threads())
+    precision = f"ctranslate2 {engine.config['project']['quantization']}"
+    log.info("decoding with %s (%s)", args.export, precision)
+    return (lambda sources, progress: engine.translate_ids(sources, cfg)), engine.sp, precision
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=Path("data/model"))
     parser.add_argument("--tokenized", type=Path, default=Path("data/tokenized"))
+    parser.add_argument("--export", type=Path, default=Path("data/export"), help="the export stage's model")
     parser.add_argument("--raw", type=Path)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--stdin", action="store_true", help="translate stdin to stdout, one sentence per line")
+    parser.add_argument("--engine", choices=("project", "ctranslate2"), help="the decoder (default: translate.engine)")
     parser.add_argument("--params", type=Path, default=Path("params.yaml"))
     args = parser.parse_args(argv)
     if not args.stdin and (args.raw is None or args.out is None):
         parser.error("--raw and --out are required unless --stdin is given")
     cli.setup_logging()
     cfg = config.load(args.params, "translate", TranslateConfig)
-    if "OMP_NUM_THREADS" not in os.environ:  # an explicit setting wins
-        torch.set_num_threads(os.cpu_count() or 1)
-    model = load_model(args.model, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-    precision = str(decoding_precision(model)).removeprefix("torch.")  # float32, bfloat16, float16
-    log.info("decoding in %s", precision)
-    log.info("attention: %s", attention.use(model.embedding.weight.device))  # the kernels training chose, on CUDA
-    sp = load_spm(args.tokenized, model.embedding.num_embeddings)
+    cfg = replace(cfg, engine=args.engine or cfg.engine)
+    decode, sp, precision = (ctranslate2_decoder if cfg.engine == "ctranslate2" else project_decoder)(args, cfg)
     if args.stdin:
-        translate_stdin(model, sp, cfg)
+        translate_stdin(decode, sp, cfg)
         return
     meta = read_meta(args.tokenized)
+    if sp.get_piece_size() != meta["vocab_size"]:
+        raise InputError(f"{args.export}: its model has {sp.get_piece_size()} pieces but {args.tokenized} has "
+                         f"{meta['vocab_size']}; re-run the export stage")
     langs = (meta["src_lang"], meta["tgt_lang"])
     with tracking.stage_run("translate", args) as run:
         run.log_params({"translate": asdict(cfg), "decode_precision": precision})
         start = time.perf_counter()
-        translations = {split: translate_split(model, sp, args.tokenized, args.raw, split, langs, cfg)
+        translations = {split: translate_split(decode, sp, args.tokenized, args.raw, split, langs)
                         for split in DECODED_SPLITS}
         seconds = time.perf_counter() - start
         with atomic_dir(args.out) as tmp:

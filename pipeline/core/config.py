@@ -1,13 +1,11 @@
 """Typed, strict access to params.yaml: one frozen dataclass per section.
 
     python -m pipeline.core.config params.yaml     # validate every section, print OK
-    python -m pipeline.core.config --compose params.yaml [experiment=NAME ...]
-                                            # write conf/ composed (what `dvc exp run -S` does)
+    python -m pipeline.core.config --compose params.yaml [experiment=NAME ...]  # conf/ composed, as `dvc exp run -S`
 
-Field names are the params keys (the paper's symbols). There are no defaults:
-a missing, unknown or mistyped key fails at load with its dotted name, and so
-does a value outside the range or set its field declares (see "what a value
-may be"), naming the value and what is allowed.
+Field names are the params keys (the paper's symbols). There are no defaults: a missing, unknown or mistyped key
+fails at load with its dotted name, and so does a value outside the range or set its field declares (see "what a
+value may be"), naming the value and what is allowed.
 """
 
 from __future__ import annotations
@@ -72,6 +70,7 @@ FORMATS: dict[str, tuple[Callable[[str], bool], str]] = {
     "sha256": (re.compile(r"[0-9a-f]{64}").fullmatch, "64 lowercase hex digits"),
 }
 SEED = {"range": "[0, 4294967295]"}  # numpy's and torch's seeds
+QUANTIZATIONS = ("none", "int8", "int8_float32", "int16", "bfloat16", "float16")  # CTranslate2's, for a CPU or GPU
 
 
 # --- data -------------------------------------------------------------------
@@ -195,11 +194,18 @@ class TranslateConfig:
     max_len_a: float = field(metadata={"range": "[0, inf)"})
     max_len_b: int = field(metadata={"range": "[0, inf)"})
     max_tokens: int = field(metadata={"range": "[1, inf)"})  # source tokens per decoding batch
+    engine: str = field(default="project", metadata={"choices": ("project", "ctranslate2")})  # or the export's model
 
 
 @dataclass(frozen=True)
-class EvaluateConfig:
-    # sacreBLEU's tokenizer; those that need no extra package or download
+class ExportConfig:
+    enabled: bool = field(metadata={})  # false: the export stage writes only a note saying so
+    quantization: str = field(metadata={"choices": QUANTIZATIONS})  # model.bin's weights; none = float32, as trained
+    check_lines: int = field(metadata={"range": "[0, inf)"})  # validation lines both engines decode; 0 = all
+
+
+@dataclass(frozen=True)
+class EvaluateConfig:  # tokenize: sacreBLEU's tokenizer; those that need no extra package or download
     tokenize: str = field(metadata={"choices": ("13a", "intl", "char", "zh", "none")})
 
 
@@ -210,16 +216,13 @@ SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "train": TrainConfig,
     "average": AverageConfig,
+    "export": ExportConfig,
     "translate": TranslateConfig,
     "evaluate": EvaluateConfig,
 }
 
 
 # --- strict conversion ----------------------------------------------------------
-
-
-def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", str(tp))
 
 
 def _convert(value: Any, tp: Any, key: str) -> Any:
@@ -241,7 +244,7 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if tp in (int, float, str, bool) and (type(value) is not tp):
-        raise ParamsError(f"{key}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+        raise ParamsError(f"{key}: expected {getattr(tp, '__name__', tp)}, got {type(value).__name__} {value!r}")
     return value
 
 
@@ -282,10 +285,6 @@ def check_relations(obj: Any, key: str) -> None:
             raise ParamsError(str(e)) from None
 
 
-def has_default(f: dataclasses.Field) -> bool:
-    return f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
-
-
 def _to_dataclass(raw: Any, cls: type[T], key: str) -> T:
     if not isinstance(raw, dict):
         raise ParamsError(f"{key}: expected a mapping of {cls.__name__} fields, got {raw!r}")
@@ -295,7 +294,8 @@ def _to_dataclass(raw: Any, cls: type[T], key: str) -> T:
     unknown = sorted(set(raw) - set(names))
     if unknown:
         raise ParamsError(f"{key}: unknown key(s) {', '.join(f'{key}.{u}' for u in unknown)}; expected {names}")
-    missing = [f.name for f in fields if f.name not in raw and not has_default(f)]  # a default makes a key optional
+    missing = [f.name for f in fields if f.name not in raw and f.default is dataclasses.MISSING  # a default makes a
+               and f.default_factory is dataclasses.MISSING]  # key optional
     if missing:
         raise ParamsError(f"{key}: missing key(s) {', '.join(f'{key}.{m}' for m in missing)}")
     values = {}

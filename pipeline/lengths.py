@@ -1,0 +1,23 @@
+"""The length limits both decoders share (the project's beam search and the CTranslate2 export): torch-free.
+
+A source is cut to the positions the model has; an output may hold at most floor(max_len_a * S + max_len_b)
+tokens, EOS included (at least 1), S the source's length with its EOS (model/beam_search.py, max_lengths).
+"""
+
+from __future__ import annotations
+
+import math
+
+from pipeline.core.config import TranslateConfig
+
+
+def max_source_len(max_positions: int, cfg: TranslateConfig) -> int:
+    """Longest source (EOS included) that fits the positional encoding, and whose output limit fits too."""
+    if cfg.max_len_a == 0:
+        return max_positions if cfg.max_len_b <= max_positions else 0
+    return min(max_positions, int((max_positions - cfg.max_len_b) // cfg.max_len_a))
+
+
+def max_output_len(source_len: int, cfg: TranslateConfig) -> int:
+    """Most output tokens, EOS included, for a source of `source_len` tokens (EOS included)."""
+    return max(1, math.floor(cfg.max_len_a * source_len + cfg.max_len_b))
