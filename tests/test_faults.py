@@ -533,10 +533,11 @@ def test_the_tracking_server_gone_mid_run_costs_one_warning_per_stage_and_no_num
     rc, output = pipeline["resumed"]
     assert rc == 0, output[-4000:]
     warned = warnings_per_stage(output)  # the stages that ran (evaluate only if the translations changed)
-    assert {"train", "average", "translate"} <= warned.keys() <= {"train", "average", "translate", "evaluate"}, warned
+    assert {"train", "average", "export", "translate"} <= warned.keys() <= {"train", "average", "export", "translate",
+                                                                            "evaluate"}, warned
     assert set(warned.values()) == {1}, warned  # train: the server died under it; the others: found it gone
     metrics = {p.stem: json.loads(p.read_text()) for p in (pipeline["repo"] / "metrics").glob("*.json")}
-    assert sorted(metrics) == ["batch", "download", "eval", "tokenize", "train"]
+    assert sorted(metrics) == ["batch", "download", "eval", "export", "tokenize", "train"]
     assert metrics["train"]["steps"] == 40
     for key in ("flops_analytic", "mfu", "valid_ppl", "train_tokens", "tokens_per_second"):
         assert key in metrics["train"], key

@@ -74,8 +74,10 @@ class Ctranslate2Engine:
     def _source(self, ids: np.ndarray, limit: int) -> list[str]:
         return [self.pieces[i] for i in ids[:limit].tolist()] + [self.pieces[EOS_ID]]
 
-    def translate_ids(self, sources: Sequence[np.ndarray], cfg: TranslateConfig) -> list[list[int]]:
-        """Output ids (no BOS/EOS) for each source (ids without EOS), in input order."""
+    def translate_ids(self, sources: Sequence[np.ndarray], cfg: TranslateConfig, beta: float | None = None
+                      ) -> list[list[int]]:
+        """Output ids (no BOS/EOS) for each source (ids without EOS), in input order; `beta`: CTranslate2's length
+        penalty for every length instead of the mapped one (bench.export compares them)."""
         limit = max_source_len(self.max_positions, cfg) - 1  # room for EOS
         if limit < 0:
             raise InputError(f"translate.max_len_a = {cfg.max_len_a}, max_len_b = {cfg.max_len_b}: even an empty "
@@ -93,7 +95,8 @@ class Ctranslate2Engine:
             batch = max(1, min(cfg.max_tokens // length, cfg.max_tokens // cfg.beam_size))
             results = self.translator.translate_batch(
                 [self._source(sources[i], limit) for i in members], max_batch_size=batch, beam_size=cfg.beam_size,
-                length_penalty=mapped_length_penalty(cfg.length_penalty, length), max_decoding_length=steps,
+                length_penalty=mapped_length_penalty(cfg.length_penalty, length) if beta is None else beta,
+                max_decoding_length=steps,
                 min_decoding_length=0, max_input_length=0, asynchronous=True)
             pending.append((members, results))
         for members, results in pending:
