@@ -22,12 +22,12 @@ from tests.translation_fixtures import MODEL_CONFIG, sentence_pairs
 
 def trained_model(model_dir: Path, tokenized: Path, positions: str, steps: int = 120, seed: int = 0,
                   **shape) -> Path:
-    """Train the tiny model (full batch, Adam) on sentence_pairs() and save it as data/model/model.pt."""
+    """Train the tiny model (full batch, Adam; `shape`: other model keys) on sentence_pairs() for `steps` steps
+    (0: as initialised) and save it as data/model/model.pt."""
     torch.manual_seed(seed)
     vocab_size = read_meta(tokenized)["vocab_size"]
-    cfg = {**MODEL_CONFIG, "dropout": 0.0, "positional_encoding": positions, **shape}
-    if positions == "rotary":
-        cfg["rotary_base"] = 100.0
+    cfg = {**MODEL_CONFIG, "dropout": 0.0, "positional_encoding": positions,
+           **({"rotary_base": 100.0} if positions == "rotary" else {}), **shape}
     model = Transformer(ModelConfig(**cfg), vocab_size)
     sp = load_spm(tokenized, vocab_size)
     pairs = sentence_pairs()

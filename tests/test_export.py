@@ -17,7 +17,7 @@ import yaml
 from pipeline.core.config import ExportConfig, ParamsError, TranslateConfig, load
 from pipeline.corpus.formats import load_spm
 from pipeline.export import spec
-from pipeline.export.check import compare
+from pipeline.export.check import compare, project_log_probs
 from pipeline.export.engine import Ctranslate2Engine, mapped_length_penalty
 from pipeline.export.spec import ExportError, write_ctranslate2
 from pipeline.weights.checkpoint import load_model
@@ -84,6 +84,29 @@ def test_a_weight_mapped_wrongly_changes_the_outputs(trained, tmp_path, monkeypa
     write_ctranslate2(model, tokenized, tmp_path, "none", {})
     metrics = compare(model, Ctranslate2Engine(tmp_path, 1), sources, refs, GREEDY)
     assert metrics["identical_rate"] < 0.9 and metrics["max_log_prob_diff"] > 0.1, metrics
+
+
+PRESET_SHAPES = {p.stem: yaml.safe_load(p.read_text()) for p in sorted((ROOT / "conf" / "model").glob("*.yaml"))}
+
+
+@pytest.mark.parametrize("name", [*PRESET_SHAPES, "heads_narrower_than_d_model", "learned", "small_rotary"])
+def test_every_presets_shape_exports_with_the_same_log_probabilities(corpus, tmp_path, name):
+    """Each conf/model shape (one layer of it: the mapping is per layer), a head size other than d_model / h,
+    learned and rotary positions: CTranslate2's log-probabilities of the same tokens are the project's."""
+    tokenized = corpus[1]
+    shape = {**PRESET_SHAPES.get(name, PRESET_SHAPES["tiny"]), "n_layers": 1, "dropout": 0.0}
+    shape.update({"heads_narrower_than_d_model": dict(d_k=8, d_v=8), "learned": dict(positional_encoding="learned"),
+                  "small_rotary": {**PRESET_SHAPES["small"], "n_layers": 1, "positional_encoding": "rotary",
+                                   "rotary_base": 1000.0}}.get(name, {}))
+    model_dir = trained_model(tmp_path / "model", tokenized, shape["positional_encoding"], steps=0, **shape)
+    model = load_model(model_dir, torch.device("cpu"))
+    write_ctranslate2(model, tokenized, tmp_path / "out", "none", {})
+    rng = np.random.default_rng(0)
+    sources = [rng.integers(4, 60, n) for n in (5, 9, 3)]
+    outputs = [rng.integers(4, 60, n).tolist() for n in (4, 7, 0)]
+    ours = project_log_probs(model, sources, outputs, GREEDY)
+    theirs = Ctranslate2Engine(tmp_path / "out", 1).log_probs(sources, outputs, GREEDY)
+    assert max(float(np.abs(a - b).max()) for a, b in zip(ours, theirs)) < 1e-4
 
 
 def test_keys_and_values_of_different_sizes_are_refused_naming_the_setting(corpus, tmp_path):

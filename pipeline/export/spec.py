@@ -15,7 +15,7 @@ CTranslate2's TransformerSpec (post-norm, ReLU, embeddings scaled by sqrt(d_mode
     decoder.i.cross_attn               .attention: linear[0] = w_q, linear[1] = w_kv, linear[2] = w_o; norm_2
     {encoder,decoder}.i.ffn            .ffn: linear_0 = w_1, linear_1 = w_2; norm_2 (encoder), norm_3 (decoder)
 
-LayerNorm's epsilon is torch's 1e-5. A shape CTranslate2 cannot hold is refused (ExportError, one line naming the
+LayerNorm's epsilon is torch's 1e-5; heads of d_k != d_model / n_heads set CTranslate2's head_dim. A shape CTranslate2 cannot hold is refused (ExportError, one line naming the
 setting): heads whose keys and values differ in size (model.d_v != model.d_k).
 """
 
@@ -108,7 +108,7 @@ def build_spec(model: Transformer, pieces: list[str]):
 
 
 def write_ctranslate2(model: Transformer, tokenized: Path, out: Path, quantization: str, about: dict) -> None:
-    """Write the CTranslate2 model of `model` into the (empty) directory `out`: model.bin, the vocabularies,
+    """Write the CTranslate2 model of `model` into the directory `out` (made if need be): model.bin, the vocabulary,
     config.json (CTranslate2's, plus `about`: where the model came from) and the sentencepiece model."""
     sp = load_spm(tokenized, model.embedding.num_embeddings)
     pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
@@ -117,6 +117,7 @@ def write_ctranslate2(model: Transformer, tokenized: Path, out: Path, quantizati
     spec = build_spec(model, pieces)
     spec.validate()
     spec.optimize(quantization=None if quantization == "none" else quantization)
+    out.mkdir(parents=True, exist_ok=True)
     spec.save(str(out))
     shutil.copyfile(Path(tokenized) / SPM_NAME, out / SPM_NAME)
     config = json.loads((out / "config.json").read_text(encoding="utf-8"))
