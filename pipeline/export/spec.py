@@ -15,8 +15,9 @@ CTranslate2's TransformerSpec (post-norm, ReLU, embeddings scaled by sqrt(d_mode
     decoder.i.cross_attn               .attention: linear[0] = w_q, linear[1] = w_kv, linear[2] = w_o; norm_2
     {encoder,decoder}.i.ffn            .ffn: linear_0 = w_1, linear_1 = w_2; norm_2 (encoder), norm_3 (decoder)
 
-LayerNorm's epsilon is torch's 1e-5; heads of d_k != d_model / n_heads set CTranslate2's head_dim. A shape CTranslate2 cannot hold is refused (ExportError, one line naming the
-setting): heads whose keys and values differ in size (model.d_v != model.d_k).
+LayerNorm's epsilon is torch's 1e-5; heads of d_k != d_model / n_heads set CTranslate2's head_dim. A shape
+CTranslate2 cannot hold is refused (ExportError, one line naming the setting): heads whose keys and values differ in
+size (model.d_v != model.d_k).
 """
 
 from __future__ import annotations
