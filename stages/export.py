@@ -52,7 +52,8 @@ def export(args, cfg: ExportConfig, translate: TranslateConfig) -> dict:
         raise InputError(f"{args.raw}/valid.{meta['tgt_lang']}: {len(references)} lines but {args.tokenized} holds "
                          f"{len(sources)} valid sentences; re-run the tokenize stage")
     n = len(sources) if cfg.check_lines == 0 else min(cfg.check_lines, len(sources))
-    about = {"params_hash": saved.get("params_hash"), "steps": saved.get("steps"), "model_config": saved["model_config"]}
+    about = {"params_hash": saved.get("params_hash"), "steps": saved.get("steps"),
+             "model_config": saved["model_config"]}
     with atomic_dir(args.out) as tmp:
         start = time.perf_counter()
         write_ctranslate2(model, args.tokenized, tmp, cfg.quantization, about)
