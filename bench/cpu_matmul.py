@@ -49,6 +49,7 @@ from pipeline.core.errors import PipelineError
 from pipeline.corpus.batching import make_batches
 from pipeline.training import attention, cpu_matmul, distributed
 from pipeline.training.loader import Batch, TrainingData, collate
+from pipeline.training.precision import of_choice
 
 CPU = torch.device("cpu")
 
@@ -57,11 +58,11 @@ CPU = torch.device("cpu")
 def way(products: str, flash: bool = False):
     """Run the block with `products` and the attention kernels the trainer picks for them (or the flash kernel),
     under bf16 autocast where the trainer runs them so ("autocast")."""
-    cpu_matmul.use(products)
+    precision = of_choice(products)
+    precision.use()
     attention.use(CPU)
     try:
-        with (sdpa_kernel(SDPBackend.FLASH_ATTENTION) if flash else contextlib.nullcontext(),
-              cpu_matmul.autocast(products)):
+        with (sdpa_kernel(SDPBackend.FLASH_ATTENTION) if flash else contextlib.nullcontext(), precision.autocast()):
             yield
     finally:
         cpu_matmul.use("fp32")
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
         ways |= {"onednn": ("onednn", False)}  # what train.cpu_matmul = fp32 trains with there
     if other != "fp32":
         ways |= {other: (other, False), f"{other}, flash": (other, True)}
-    print(f"{args.threads} threads; against torch's BLAS: {cpu_matmul.describe(other) if other != 'fp32' else 'none'}"
+    print(f"{args.threads} threads; against torch's BLAS: {of_choice(other).label if other != 'fp32' else 'none'}"
           f" (AMX: {'yes' if cpu_matmul.has_amx() else 'no'}, AVX-512: {'yes' if cpu_matmul.has_avx512() else 'no'});"
           f" train.cpu_matmul of the default: {train_cfg.cpu_matmul}")
     stored = (args.tokenized, args.batches) if args.batches else None

@@ -56,7 +56,7 @@ def time_reference(s: Setup, data: TrainingData, ctx: distributed.Dist, steps: i
         state["step"] += 1
 
     r = timed(step, lambda: (state["step"] * step_tokens, state["step"] * step_flops), steps, s.device)
-    return r | {"peak": t.peak, "dtype": distributed.autocast_dtype(s.device), "compiled": state["compiled"],
+    return r | {"peak": t.peak, "dtype": t.precision.dtype, "compiled": state["compiled"],
                 "shape": (rows, REFERENCE_LENGTH), "micro": micro,
                 "adam": "fused Adam" if t.optimizer.defaults.get("fused") else "Adam"}
 

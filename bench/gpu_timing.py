@@ -87,7 +87,7 @@ def time_training(s: Setup, data: TrainingData, ctx: distributed.Dist, steps: in
     timed_batches = [b for ids in taken[WARMUP_STEPS:] for b in ids]
     recorded, pool = graphs.totals(s.device) if mode == "graphs" else (None, None)
     r |= {"accum": t.accum, "peak": t.peak, "trainer": t, "compiled": bool(t.compiled), "epochs": p.epoch + 1,
-          "dtype": distributed.autocast_dtype(s.device), "batches": taken, "corpus": digest(data),
+          "dtype": t.precision.dtype, "batches": taken, "corpus": digest(data),
           "cuda_graphs": recorded, "cuda_graphs_pool": pool,
           # (pairs, longest source, longest target) with EOS / BOS, before any length-bucket padding
           "batch_shapes": [(len(data.train_batches[b]), *(int(x.max()) for x in data.lengths(np.array([b]))))

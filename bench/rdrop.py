@@ -23,6 +23,7 @@ from bench.train_throughput import default_configs, our_step, synthetic_batches,
 from model.transformer import Transformer
 from pipeline.core import config
 from pipeline.training import attention, cpu_matmul
+from pipeline.training.precision import resolve
 
 FRACTIONS = (0.1, 0.25, 1.0)
 
@@ -39,10 +40,10 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     vocab = config.compose([])["tokenize"]["vocab_size"]  # the whole logits R-Drop builds grow with it
     setting = [f"train.cpu_matmul={args.cpu_matmul}"] if args.cpu_matmul else []
-    products = cpu_matmul.choose(default_configs(setting)[1].cpu_matmul, torch.device("cpu"))
-    cpu_matmul.use(products)  # the products and attention kernels the train stage uses on this CPU
+    precision = resolve(default_configs(setting)[1].cpu_matmul, torch.device("cpu"))
+    precision.use()  # the products and attention kernels the train stage uses on this CPU
     attention.use(torch.device("cpu"))
-    print(f"torch {torch.__version__}, {args.threads} threads, {cpu_matmul.describe(products)}, alpha {args.alpha}, "
+    print(f"torch {torch.__version__}, {args.threads} threads, {precision.label}, alpha {args.alpha}, "
           f"vocabulary {vocab}")
     *_, batches = synthetic_batches(1250, args.steps + 32, vocab)
     timed = batches[:args.steps]
@@ -58,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     for name, overrides in ways.items():
         cfg, train_cfg = default_configs(overrides)
         torch.manual_seed(0)
-        steps[name] = under_autocast(our_step(Transformer(cfg, vocab), train_cfg), products)
+        steps[name] = under_autocast(our_step(Transformer(cfg, vocab), train_cfg), precision)
         steps[name](warm)
     best = {name: float("inf") for name in ways}
     for _ in range(args.rounds):

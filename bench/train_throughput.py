@@ -23,10 +23,10 @@ batch.max_tokens = 2500, one batch per step.
 
 Both run in one process, alternating rounds of `--steps` timed steps (after one
 warm-up step each) so that load from other programs hits both alike, with the
-matrix products the default's train.cpu_matmul picks on this CPU (bf16 autocast on
-AVX-512 BF16 without AMX, else fp32 by oneDNN or torch's BLAS:
-pipeline/training/cpu_matmul.py) and the attention kernels that go with them, for
-both; ours without the default's R-Drop (bench.rdrop times it). Reported: real target tokens per second, and MFU = analytic
+matrix products the default's train.cpu_matmul resolves to on this CPU (the run's
+Precision, pipeline/training/precision.py: fp32 by oneDNN or torch's BLAS for the
+default) and the attention kernels that go with them, for both; ours as the preset
+trains it (R-Drop's cost: bench.rdrop). Reported: real target tokens per second, and MFU = analytic
 training FLOPs (model.flops.training_flops on real tokens) / (best round's time x
 the machine's matmul peak in those products: the best of
 model.flops.measure_matmul_peak before and after every round, since a shared
@@ -41,7 +41,6 @@ import contextlib
 import math
 import statistics
 import time
-from dataclasses import replace
 from typing import Callable
 
 import numpy as np
@@ -55,11 +54,12 @@ from model.loss import SmoothedLoss
 from model.positions import sinusoidal_encoding
 from model.transformer import Transformer
 from pipeline.core import config
-from pipeline.training import attention, cpu_matmul, distributed
+from pipeline.training import attention, distributed
 from pipeline.core.config import TrainConfig
 from pipeline.corpus.formats import PAD_ID, Ragged
 from pipeline.training.loader import Batch, collate
 from pipeline.training.optimizer import build_optimizer, train_step
+from pipeline.training.precision import Precision, resolve
 from pipeline.corpus.batching import make_batches
 
 VOCAB = 8000
@@ -86,13 +86,9 @@ def synthetic_corpus(pairs: int, seed: int = 0, vocab: int = VOCAB, mean: float 
 
 
 def default_configs(overrides: list[str] | tuple[str, ...] = ()) -> tuple[ModelConfig, TrainConfig]:
-    """The default preset's model and train sections (conf/ composed with `overrides`, none by default); without
-    R-Drop unless an override names train.rdrop_alpha: the benches time the model's own step (bench.rdrop adds it)."""
+    """The default preset's model and train sections (conf/ composed with `overrides`, none by default)."""
     params = config.compose(list(overrides))
-    train = config.parse(params, "train", TrainConfig)
-    if not any(o.startswith("train.rdrop_alpha=") for o in overrides):
-        train = replace(train, rdrop_alpha=0.0)
-    return config.parse(params, "model", ModelConfig), train
+    return config.parse(params, "model", ModelConfig), config.parse(params, "train", TrainConfig)
 
 
 def synthetic_batches(max_tokens: int, count: int, vocab: int = VOCAB) -> tuple[Ragged, Ragged, list, np.ndarray,
@@ -115,10 +111,10 @@ def our_step(model: Transformer, train_cfg: TrainConfig, lr: float = 1e-4) -> Ca
     return lambda b: train_step(loss_model, optimizer, [(b, True)], b.tokens, lr, ctx, contextlib.nullcontext(), scaler)
 
 
-def under_autocast(step: Callable[[Batch], None], products: str) -> Callable[[Batch], None]:
-    """`step` run in the CPU's autocast for `products` (train.cpu_matmul's choice), as the trainer runs it."""
+def under_autocast(step: Callable[[Batch], None], precision: Precision) -> Callable[[Batch], None]:
+    """`step` run in the `precision`'s autocast (none for fp32), as the trainer runs it."""
     def run(batch: Batch) -> None:
-        with cpu_matmul.autocast(products):
+        with precision.autocast():
             step(batch)
     return run
 
@@ -169,11 +165,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     cfg, train_cfg = default_configs(args.overrides)
-    products = cpu_matmul.choose(train_cfg.cpu_matmul, torch.device("cpu"))
-    cpu_matmul.use(products)
+    precision = resolve(train_cfg.cpu_matmul, torch.device("cpu"))
+    precision.use()
     attention.use(torch.device("cpu"))
     print(f"model {cfg}, vocab {VOCAB}, batch.max_tokens {MAX_TOKENS}, {torch.get_num_threads()} threads, "
-          f"{cpu_matmul.describe(products)} (train.cpu_matmul = {train_cfg.cpu_matmul}) for both")
+          f"{precision.label} (train.cpu_matmul = {train_cfg.cpu_matmul}) for both")
 
     src, tgt, batches, order, data = synthetic_batches(MAX_TOKENS, args.steps + 1)
     warmup, timed = data[0], data[1:]
@@ -192,9 +188,8 @@ def main(argv: list[str] | None = None) -> None:
     n_ours, n_base = (sum(p.numel() for p in m.parameters()) for m in (ours, base))
     print(f"parameters: ours {n_ours / 1e6:.2f}M, nn.Transformer {n_base / 1e6:.2f}M")
     run_base = lambda b: baseline_step(base, base_opt, b, 1e-4, train_cfg.label_smoothing)
-    if (dtype := cpu_matmul.autocast_dtype(products)) is not None:  # bf16 autocast (AVX-512 BF16), for both
-        run_ours, run_base = (under_autocast(step, products) for step in (run_ours, run_base))
-    matmul_dtype = dtype or torch.float32
+    run_ours, run_base = (under_autocast(step, precision) for step in (run_ours, run_base))  # the same for both
+    matmul_dtype = precision.dtype
     for step in (run_ours, run_base):
         step(warmup)
 
@@ -209,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"  round {r + 1} {name:15s} {tokens / seconds[name][-1]:8.0f} tok/s")
         peaks.append(flops_lib.measure_matmul_peak(matmul_dtype))
     peak = max(peaks)  # the machine's peak; lower figures were measured under someone else's load
-    print(f"{cpu_matmul.describe(products)} matmul peak: {peak / 1e9:.1f} GFLOP/s "
+    print(f"{precision.label} matmul peak: {peak / 1e9:.1f} GFLOP/s "
           f"(best of {', '.join(f'{p / 1e9:.0f}' for p in peaks)})")
     print(f"{'':15s} {'tok/s (best)':>13s} {'tok/s (median)':>15s} {'MFU (best)':>11s}")
     best = {}
@@ -217,7 +212,7 @@ def main(argv: list[str] | None = None) -> None:
         best[name] = tokens / min(times)
         print(f"{name:15s} {best[name]:13.0f} {tokens / statistics.median(times):15.0f} {flops / min(times) / peak:11.1%}")
     print(f"speed-up: {best['ours'] / best['nn.Transformer']:.2f}x (target >= 1.3x); "
-          f"MFU {flops / min(seconds['ours']) / peak:.1%} of the measured {products} peak (target >= 45%)")
+          f"MFU {flops / min(seconds['ours']) / peak:.1%} of the measured {precision.peak} peak (target >= 45%)")
 
 if __name__ == "__main__":
     main()

@@ -13,7 +13,9 @@ torchrun command directly works too, and so does torchrun on each of N nodes:
     torchrun --nnodes=N --nproc_per_node=<devices> --rdzv_backend=c10d --rdzv_endpoint=HOST:PORT \
         --rdzv_id=RUN -m stages.train ...          # docs/multi_node.md, "Running it"
 
-Every rank checks that it holds rank 0's params and data (params_hash); a
+Before training it logs the precision this machine resolves (pipeline/training/precision.py: the
+CPU's class or the GPU, and how train.cpu_matmul forces another). Every rank checks that it holds
+rank 0's params, data and precision (params_hash); a
 collective that fails or waits past train.timeout_minutes (a node died or
 froze) stops every rank with one line saying so; restarting resumes.
 Resumes from the newest complete checkpoint with the same params_hash and code
@@ -39,6 +41,7 @@ from pipeline.core.config import BatchConfig, TrainConfig
 from pipeline.core.files import write_json
 from pipeline.training.loader import TrainingData
 from pipeline.training.params import params_hash
+from pipeline.training.precision import resolve
 from pipeline.training.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -64,9 +67,13 @@ def main(argv: list[str] | None = None) -> None:
     try:
         with tracking.stage_run("train", args, enabled=ctx.is_main) as run:
             data = TrainingData.load(args.tokenized, args.batches, batch.length_bucket_step)
-            phash = params_hash(model_cfg, cfg, batch, args.tokenized, args.batches)
-            distributed.check_same(phash, "params_hash (model, train, batch.max_tokens and the data)", ctx)
-            trainer = Trainer(data, model_cfg, cfg, max_tokens, ctx, run, phash, args.checkpoints, args.plot)
+            precision = resolve(cfg.cpu_matmul, ctx.device)  # once, for the hash, the trainer and the records
+            log.info("%s", precision.line())
+            phash = params_hash(model_cfg, cfg, batch, args.tokenized, args.batches, precision.key)
+            distributed.check_same(phash, "params_hash (model, train, batch.max_tokens, the data and the precision)",
+                                   ctx)
+            trainer = Trainer(data, model_cfg, cfg, max_tokens, ctx, run, phash, args.checkpoints, args.plot,
+                              precision)
             try:
                 metrics = trainer.fit()
             except KeyboardInterrupt:  # Ctrl-C: one line, from rank 0, instead of each process's traceback

@@ -13,6 +13,7 @@ from mlflow.tracking import MlflowClient
 
 from pipeline.core.config import ParamsError
 from pipeline.training import attention, cpu_matmul, distributed, peak
+from pipeline.training.precision import of_choice
 from tests.cpu_fixtures import AUTOCAST, BF16, EPYC, ONEDNN, SKYLAKE, XEON, ZEN, as_cpu
 from tests.train_fixtures import final_weights, stage_args, write_corpus, write_params
 
@@ -68,7 +69,7 @@ def test_the_choice_and_the_peak_see_avx512_bf16_only_with_the_avx512_torch_need
                                            ("bf16", torch.float32), ("fp32", torch.float32)])
 def test_a_choice_steps_under_bf16_autocast_only_for_autocast(choice, dtype):
     a = torch.randn(4, 8)
-    with cpu_matmul.autocast(choice):
+    with of_choice(choice).autocast():
         assert (a @ a.T).dtype == dtype  # AMX's bf16 products keep fp32 tensors: torch rounds inside oneDNN
     assert (a @ a.T).dtype == torch.float32
 
@@ -87,7 +88,7 @@ def test_bf16_products_switch_the_torch_flag_and_the_cpu_attention_kernel_and_ba
     assert torch.backends.mkldnn.matmul.fp32_precision == "bf16" and attention.choice(CPU) == ("math",)
     cpu_matmul.use("autocast")  # bf16 autocast: oneDNN's kernels, the math attention kernel
     assert torch.backends.mkldnn.matmul.fp32_precision == "bf16" and attention.choice(CPU) == ("math",)
-    assert cpu_matmul.autocast_dtype("autocast") == torch.bfloat16 and cpu_matmul.autocast_dtype("bf16") is None
+    assert of_choice("autocast").dtype == torch.bfloat16 and of_choice("bf16").dtype == torch.float32
     with pytest.raises(ValueError, match="expected one of 'fp32', 'onednn', 'bf16', 'autocast', got 'auto'"):
         cpu_matmul.use("auto")
 
@@ -112,7 +113,7 @@ def test_the_nominal_peak_of_bf16_products_is_the_amx_tiles_rate_and_the_paper_k
     as_cpu(monkeypatch, XEON)
     monkeypatch.setattr(peak, "measured_peak", lambda *a: pytest.fail("measured despite a nominal figure"))
     threads = torch.get_num_threads()
-    found = peak.peak_flops(CTX, tmp_path / "peak.json", products="bf16")
+    found = peak.peak_flops(CTX, tmp_path / "peak.json", precision=of_choice("bf16"))
     assert (found.flops, found.source) == (pytest.approx(threads * 2500e6 * 1024), "nominal")
     assert found.fp32_tflops == pytest.approx(threads * 2500e6 * 64 / 1e12)  # the paper's estimate: fp32 (avx512f)
     fp32 = peak.peak_flops(CTX, tmp_path / "peak.json")

@@ -22,6 +22,7 @@ from model.config import ModelConfig
 from pipeline.training import distributed
 from pipeline.core.config import BatchConfig, ParamsError, TrainConfig
 from pipeline.training.params import params_hash
+from pipeline.training.precision import resolve
 from stages import train
 from tests.multinode_smoke import (TOLERANCE, final_weights, free_port, max_difference, node_processes,
                                    run_one_process, start_two_nodes)
@@ -103,7 +104,7 @@ def choose_precision(rank: int, port: int, out: str) -> None:
     ctx = distributed.setup(2, timeout_minutes=0.5)
     distributed.autocast_dtype = lambda device: torch.float16 if rank == 1 else torch.bfloat16
     try:
-        distributed.mixed_precision(ctx)
+        distributed.check_precision(resolve("fp32", ctx.device).label, ctx)
         said = "no error"
     except distributed.DistributedError as e:
         said = str(e)
@@ -165,7 +166,7 @@ def test_the_params_hash_counts_the_batches_of_a_step_not_the_processes(tmp_path
 
     def phash(devices: int, **train_keys) -> str:
         cfg = TrainConfig(**{**TRAIN, "devices": devices, **train_keys})
-        return params_hash(model, cfg, BatchConfig(max_tokens=24, seed=1), tokenized, batches)
+        return params_hash(model, cfg, BatchConfig(max_tokens=24, seed=1), tokenized, batches, "fp32")
 
     assert phash(1) == phash(2)  # 48 tokens per step = 2 stored batches of <= 24, any world
     assert phash(1) == phash(1, timeout_minutes=1.0)
@@ -281,6 +282,7 @@ def test_nodes_with_different_params_or_data_both_stop_naming_the_odd_rank(tmp_p
     assert [p.wait(timeout=300) for p in nodes] != [0, 0]
     for root in roots:
         said = (root / f"node{roots.index(root)}.log").read_text()
-        assert "params_hash (model, train, batch.max_tokens and the data) differs from rank 0's" in said, said[-3000:]
+        assert ("params_hash (model, train, batch.max_tokens, the data and the precision) differs from rank 0's"
+                in said), said[-3000:]
         assert "on rank 1 on" in said
     assert not (roots[0] / "checkpoints").exists() and not (roots[1] / "checkpoints").exists()

@@ -15,9 +15,7 @@ from model.loss import SmoothedLoss
 from model.rdrop import pair_terms, paired_rows, rdrop_loss
 from model.transformer import Transformer
 from pipeline.core.config import ParamsError, TrainConfig, parse
-from pipeline.training import cpu_matmul, plan
-from pipeline.training.trainer import trained_rdrop
-from tests.cpu_fixtures import AUTOCAST, XEON, ZEN, as_cpu
+from pipeline.training import plan
 from tests.train_fixtures import MODEL, TRAIN, VOCAB, final_weights, run_stage, write_corpus, write_params
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -184,38 +182,3 @@ def test_the_train_stage_counts_two_passes_of_flops_and_trains_other_weights(tmp
     part, part_weights = train(tmp_path / "part", rdrop_alpha=5.0, rdrop_fraction=0.5)
     assert part["flops_analytic"] == pytest.approx(1.5 * plain["flops_analytic"], rel=1e-12)
     assert any(not torch.equal(part_weights[k], rdrop_weights[k]) for k in part_weights)
-
-
-def test_rdrop_where_autocast_trains_it_only_under_autocast_and_records_what_ran_in_metrics_and_mlflow(
-        tmp_path, monkeypatch, caplog):
-    from mlflow.tracking import MlflowClient
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU's products, on a GPU machine too
-    as_cpu(monkeypatch, XEON)  # AMX: cpu_matmul autocast keeps fp32 products (torch's BLAS), so no R-Drop
-    plain, plain_weights = train(tmp_path / "plain")
-    with caplog.at_level(logging.INFO):
-        off, off_weights = train(tmp_path / "off", rdrop_alpha=5.0, rdrop_where="autocast", cpu_matmul="autocast")
-    assert "R-Drop off: train.rdrop_where = autocast" in caplog.text
-    assert off["rdrop_alpha"] == plain["rdrop_alpha"] == 0.0 and off["flops_analytic"] == plain["flops_analytic"]
-    assert all(torch.equal(plain_weights[k], off_weights[k]) for k in plain_weights)
-    as_cpu(monkeypatch, ZEN)  # AVX-512 BF16 without AMX: bf16 autocast, R-Drop on a quarter of the rows
-    try:
-        on, _ = train(tmp_path / "on", rdrop_alpha=5.0, rdrop_fraction=0.25, rdrop_where="autocast",
-                      cpu_matmul="autocast")
-    finally:
-        cpu_matmul.use("fp32")
-    assert on["precision"] == AUTOCAST and on["rdrop_alpha"] == 5.0
-    assert on["flops_analytic"] == pytest.approx(1.25 * plain["flops_analytic"], rel=1e-12)
-    client = MlflowClient()
-    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
-    assert sorted(r.data.metrics["rdrop_alpha"] for r in runs) == [0.0, 0.0, 5.0]
-    assert sorted(r.data.params["train.rdrop_alpha"] for r in runs) == ["0.0", "5.0", "5.0"]  # the params as given
-
-
-@pytest.mark.parametrize("where, autocasting, alpha", [("always", False, 5.0), ("always", True, 5.0),
-                                                       ("autocast", True, 5.0), ("autocast", False, 0.0)])
-def test_rdrop_where_autocast_drops_it_only_from_a_step_without_autocast(where, autocasting, alpha):
-    cfg = parse({"train": {**TRAIN, "rdrop_alpha": 5.0, "rdrop_fraction": 0.25, "rdrop_where": where}}, "train",
-                TrainConfig)
-    trained = trained_rdrop(cfg, autocasting)
-    assert trained.rdrop_alpha == alpha and trained.rdrop_fraction == 0.25 and trained.seed == cfg.seed

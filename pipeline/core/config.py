@@ -171,13 +171,11 @@ class TrainConfig:
     rdrop_alpha: float = field(default=0.0, metadata={"range": "[0, inf)"})
     # the share of each batch's rows that pass twice with R-Drop (drawn anew each step); 1 = all of them
     rdrop_fraction: float = field(default=1.0, metadata={"range": "(0, 1]"})
-    # where R-Drop trains: always, or autocast (only where the step runs under autocast: a GPU, or a CPU whose
-    # cpu_matmul chose bf16 autocast; a fp32 step trains without it). metrics/train.json's rdrop_alpha: what ran
-    rdrop_where: str = field(default="always", metadata={"choices": ("always", "autocast")})
     # a CPU's matrix products: fp32 (the paper's; by oneDNN on AVX-512 without AMX, else torch's BLAS), blas (fp32 by
     # torch's BLAS), bf16 products with fp32 weights (on AMX tiles, or under autocast on AVX-512 BF16), auto (bf16
     # where the CPU has AMX or AVX-512 BF16, else fp32) or autocast (bf16 autocast on AVX-512 BF16 without AMX, else
-    # fp32); GPUs ignore it (pipeline/training/cpu_matmul.py)
+    # fp32); GPUs ignore it (pipeline/training/cpu_matmul.py). How a step computes, never what it trains: the run's
+    # Precision (pipeline/training/precision.py) is recorded and hashed
     cpu_matmul: str = field(default="fp32", metadata={"choices": ("auto", "fp32", "blas", "bf16", "autocast")})
 
 

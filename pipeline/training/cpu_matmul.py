@@ -3,6 +3,9 @@
     choice = cpu_matmul.choose(train_cfg.cpu_matmul, device)   # "fp32", "onednn", "bf16" or "autocast"; fails where
                                                                 # bf16 cannot run
     cpu_matmul.use(choice)                                      # for the rest of this process (the flag is global)
+    cpu_matmul.cpu_class()                                      # the CPU's model and the class that decides the choice
+
+A run takes these through its Precision (pipeline/training/precision.py), resolved once.
 
 Settings:
   fp32  the paper's precision: every product in fp32, by the fastest fp32 kernels measured on this CPU: oneDNN's
@@ -16,10 +19,9 @@ Settings:
         inputs and outputs bf16, by oneDNN's avx512_bf16 kernels (an AMD EPYC with AVX-512: about twice as
         fast a product as oneDNN's fp32, 1.18x the default's step). A CPU with neither fails with one line.
   auto  bf16 on a CPU with AMX or AVX-512 BF16, else what fp32 chooses; a GPU ignores the setting (it trains under
-        autocast: distributed.mixed_precision).
+        autocast: pipeline/training/precision.py).
   autocast  bf16 autocast on a CPU with AVX-512 BF16 and without AMX, else what fp32 chooses (AMX's bf16 products
-        cost the default valid BLEU: docs/results.md). The default's: with train.rdrop_where = autocast, its R-Drop
-        trains where this pays for it.
+        cost the default valid BLEU: docs/results.md).
 
 oneDNN computes a process's fp32 products only when torch's flag allows it bf16
 (torch.backends.mkldnn.matmul.fp32_precision = "bf16"): on AMX it then rounds them, on a CPU
@@ -27,14 +29,14 @@ without it (oneDNN 3.x) its AVX-512 kernels keep them fp32. Where fp32 chooses o
 product is checked first: if oneDNN rounded it (another oneDNN, another CPU), the run keeps
 torch's BLAS and says so. Under oneDNN a CPU's attention runs torch's math kernel
 (pipeline/training/attention.py): there torch's flash kernel for CPUs is slower than the math
-one, and slower than torch's BLAS (bench.cpu_matmul). The choice depends on the CPU and is
-recorded (`precision` in metrics/train.json and MLflow); the same machine with the same
-params and code trains the same weights. Speed and BLEU: docs/benchmarks.md, docs/results.md.
+one, and slower than torch's BLAS (bench.cpu_matmul). The choice changes how a step computes,
+never what it trains: pipeline/training/precision.py turns it into the run's Precision, which
+params_hash, metrics/train.json and MLflow record; the same machine with the same params and
+code trains the same weights. Speed and BLEU: docs/benchmarks.md, docs/results.md.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 from dataclasses import fields
@@ -42,7 +44,7 @@ from dataclasses import fields
 import torch
 
 from pipeline.core.config import ParamsError, TrainConfig
-from pipeline.training.peak import AMX_BF16_FLAG as AMX_FLAG, AVX512, AVX512_BF16_FLAG as AVX512_BF16, cpu_flags
+from pipeline.training.peak import AMX_BF16_FLAG as AMX_FLAG, AVX512, AVX512_BF16_FLAG as AVX512_BF16, cpu_flags, cpuinfo
 from pipeline.training.peak import has_avx512_bf16 as avx512_bf16_in
 
 log = logging.getLogger(__name__)
@@ -70,6 +72,15 @@ def has_avx512_bf16(text: str | None = None) -> bool:
 def has_avx512(text: str | None = None) -> bool:
     """Whether this CPU (or a /proc/cpuinfo `text`) has the AVX-512 that torch's oneDNN products need."""
     return cpu_flags(text).issuperset(AVX512)
+
+
+def cpu_class(text: str | None = None) -> str:
+    """This CPU (or a /proc/cpuinfo `text`) as the choice sees it: its model name and the widest of AMX, AVX-512 BF16,
+    AVX-512 and AVX2 it has."""
+    flags = cpu_flags(text)
+    kind = ("AMX" if AMX_FLAG in flags else "AVX-512 BF16, no AMX" if avx512_bf16_in(flags) else
+            "AVX-512, no bf16" if flags.issuperset(AVX512) else "AVX2 only" if "avx2" in flags else "no AVX2")
+    return f"{cpuinfo('model name', text) or 'a CPU'} ({kind})"
 
 
 def onednn_keeps_fp32() -> bool:
@@ -120,25 +131,3 @@ def use(choice: str) -> None:
     if choice != "fp32":
         os.environ.setdefault(*PRIMITIVE_CACHE)
     torch.backends.mkldnn.matmul.fp32_precision = "none" if choice == "fp32" else "bf16"
-
-
-def precision(choice: str) -> str:
-    """The products' precision, "fp32" or "bf16", of a choice (the peak that MFU is taken against)."""
-    return "bf16" if choice in ("bf16", "autocast") else "fp32"
-
-
-def autocast_dtype(choice: str) -> torch.dtype | None:
-    """The dtype a CPU's training step runs under autocast for a choice: bf16 for "autocast", else None (fp32)."""
-    return torch.bfloat16 if choice == "autocast" else None
-
-
-def autocast(choice: str) -> contextlib.AbstractContextManager:
-    """The context a CPU's training step runs in for a choice: torch.autocast in autocast_dtype, or none."""
-    dtype = autocast_dtype(choice)
-    return torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()
-
-
-def describe(choice: str) -> str:
-    """The `precision` of metrics/train.json and MLflow for a CPU run."""
-    return {"bf16": "fp32, bf16 matrix products (AMX)", "onednn": "fp32 (oneDNN's matrix products)",
-            "autocast": "fp32 weights, bf16 autocast (AVX-512 BF16)"}.get(choice, "fp32")

@@ -12,7 +12,6 @@ sharing the cores. A collective that waits longer than train.timeout_minutes
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import inspect
 import ipaddress
@@ -41,8 +40,6 @@ class DistributedError(PipelineError):
 STARTUP_MINUTES = 30.0  # how long ranks wait for each other to start (check_same)
 LOST_PEERS = "lost the other processes"  # the line of a rank that failed because another did (stages/train.py)
 SAME_RUN = "every node must run the same commit with the same params.yaml, data/tokenized and data/batches"
-PRECISIONS = {torch.bfloat16: "bf16 autocast", torch.float16: "fp16 autocast with a gradient scaler",
-              torch.float32: "fp32"}
 
 
 @dataclass(frozen=True)
@@ -264,37 +261,13 @@ def lost_peers(error: BaseException, ctx: Dist) -> bool:
     return ctx.world > 1 and (isinstance(error, dist.DistError) or "gloo" in str(error))
 
 
-def precision(ctx: Dist, cpu: str = "fp32") -> str:
-    """What a run on ctx.device trains in, as metrics/train.json and MLflow record it: on a CPU without autocast,
-    `cpu` (pipeline/training/cpu_matmul.py's describe); else PRECISIONS of autocast_dtype."""
-    dtype = autocast_dtype(ctx.device)
-    return cpu if dtype == torch.float32 and not ctx.cuda else PRECISIONS[dtype]
-
-
-def mixed_precision(ctx: Dist, label: str | None = None, cpu_dtype: torch.dtype | None = None
-                    ) -> tuple[contextlib.AbstractContextManager, torch.amp.GradScaler]:
-    """The autocast context and gradient scaler of training on ctx.device (autocast_dtype; the scaler for fp16 only),
-    logged, and the same on every rank: a world of mixed GPUs would average gradients of differently scaled losses.
-    `label`: precision()'s line (a CPU's matrix products), checked the same way; else that of autocast_dtype.
-    `cpu_dtype`: a CPU's autocast dtype (bf16 on AVX-512 BF16: cpu_matmul.autocast_dtype), None for fp32."""
-    device = ctx.device
-    dtype = training_dtype(device, cpu_dtype)
-    label = label or PRECISIONS[dtype]
-    where = (f" ({torch.cuda.get_device_name(device)}, compute capability "
-             f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))})" if device.type == "cuda" else "")
-    log.info("precision: %s%s%s", label, " (no bf16 on this GPU)" if dtype == torch.float16 else "", where)
+def check_precision(label: str, ctx: Dist) -> None:
+    """Every process of a run must train in the same precision (`label`: the run's Precision.label): a world of
+    mixed GPUs would average gradients of differently scaled losses."""
     check_same(label, "training precision", ctx, shown=True,
                remedy="every process of a run must train in the same precision: run it on GPUs of one kind (bf16 on "
                       "compute capability 8.0 and newer, fp16 on 7.x, fp32 before), or CPUs of one kind: "
                       "train.cpu_matmul chooses by the CPU's flags (AMX, AVX-512)")
-    autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
-    return autocast, torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-
-
-def training_dtype(device: torch.device, cpu_dtype: torch.dtype | None = None) -> torch.dtype:
-    """The dtype a training step on `device` runs under autocast in (fp32: none): a CPU's `cpu_dtype` where given
-    (cpu_matmul.autocast_dtype), else autocast_dtype."""
-    return cpu_dtype if cpu_dtype is not None and device.type == "cpu" else autocast_dtype(device)
 
 
 def autocast_dtype(device: torch.device) -> torch.dtype:

@@ -1,9 +1,11 @@
 """The train stage's params_hash: what shapes the weights, apart from the code (pipeline/weights/fingerprint.py).
 
-    phash = params_hash(model_cfg, train_cfg, batch_cfg, tokenized, batches)
+    phash = params_hash(model_cfg, train_cfg, batch_cfg, tokenized, batches, precision.key)
 
 A checkpoint is resumed only by a run of the same params_hash (pipeline/weights/checkpoint.py, resume_point);
 the params in NOT_WEIGHT_SHAPING are left out, so changing one resumes the old run instead of restarting it.
+The precision the device resolved (pipeline/training/precision.py, its key) is in: a machine that computes
+in another precision does not resume the run (pipeline/training/run_checkpoints.py says so and how to force one).
 """
 
 from __future__ import annotations
@@ -23,18 +25,21 @@ from pipeline.weights import checkpoint as ckpt
 # compile: the same function of the same weights, rounded otherwise (as on another GPU); a run that falls
 # back to eager (compiled.py) must resume its own checkpoints, and switching it should not cost the run.
 # micro_batch_tokens: how a process cuts its share into micro-batches; the gradient is summed over them all the same.
+# cpu_matmul: the setting as written; what it resolves to on this machine (the Precision's key) is hashed instead.
 NOT_WEIGHT_SHAPING = ("max_steps", "max_minutes", "eval_every", "log_every", "checkpoint_every", "keep_checkpoints",
-                      "devices", "timeout_minutes", "compile", "cuda_graphs", "micro_batch_tokens")
+                      "devices", "timeout_minutes", "compile", "cuda_graphs", "micro_batch_tokens", "cpu_matmul")
 
 
 def params_hash(model_cfg: ModelConfig, train_cfg: TrainConfig, batch: BatchConfig, tokenized: Path,
-                batches: Path) -> str:
+                batches: Path, precision: str) -> str:
     """sha256 of what shapes the weights: model, train (less NOT_WEIGHT_SHAPING), batch.max_tokens and
-    length_bucket_step (how batches are padded), the data, and the stored batches per step, which the world size
-    does not change: 2 processes x 1 batch resume 1 process x 2 (and the reverse)."""
+    length_bucket_step (how batches are padded), the data, the stored batches per step, which the world size
+    does not change (2 processes x 1 batch resume 1 process x 2, and the reverse), and the resolved `precision`
+    (Precision.key)."""
     train = {k: v for k, v in asdict(train_cfg).items() if k not in NOT_WEIGHT_SHAPING}
     step_batches = steps.batches_per_step(train_cfg.tokens_per_step, batch.max_tokens)
     files = [p for p in (tokenized / "meta.json", tokenized / "spm.model", *batch_paths(batches, "train")) if p.exists()]
     return ckpt.fingerprint({"model": asdict(model_cfg), "train": train, "batch.max_tokens": batch.max_tokens,
-                             "batch.length_bucket_step": batch.length_bucket_step, "batches_per_step": step_batches},
+                             "batch.length_bucket_step": batch.length_bucket_step, "batches_per_step": step_batches,
+                             "precision": precision},
                             files)

@@ -4,7 +4,7 @@
 
 Sources, as `peak_flops_source` in metrics/train.json:
   nominal   a GPU in model.flops.PEAK_TFLOPS: its datasheet's dense peak at the
-            training precision (distributed.autocast_dtype: bf16, fp16 on V100
+            training precision (the run's Precision: bf16, fp16 on V100
             and T4), fp32 for the paper's cost estimate.
   nominal   a CPU whose /proc/cpuinfo gives its clock and vector flags:
             threads x clock ("cpu MHz") x fp32 FLOP per cycle of its widest
@@ -37,13 +37,16 @@ import logging
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from model import flops as flops_lib
-from pipeline.training.distributed import Dist, autocast_dtype
+from pipeline.training.distributed import Dist
 from pipeline.core.files import write_json
+
+if TYPE_CHECKING:
+    from pipeline.training.precision import Precision
 
 log = logging.getLogger(__name__)
 
@@ -166,13 +169,16 @@ def nominal_cpu_peak(threads: int, text: str | None = None, products: str = "fp3
     return threads * clock * per_cycle if clock > 0 and per_cycle else None
 
 
-def peak_flops(ctx: Dist, path: Path | None = None, products: str = "fp32") -> Peak:
+def peak_flops(ctx: Dist, path: Path | None = None, precision: Precision | None = None) -> Peak:
     """This process's device peak: a GPU's datasheet figure, a CPU's nominal one, else the cached (or now measured)
-    matmul peak. `products`: a CPU's matrix products, "fp32" or "bf16" (pipeline/training/cpu_matmul.py, applied
-    before this call); the paper's estimate keeps the fp32 figure."""
-    path = path or cache_path()
+    matmul peak, at the run's `precision` (pipeline/training/precision.py, applied before this call; None: what
+    train.cpu_matmul = fp32 resolves to); the paper's estimate keeps the fp32 figure."""
+    if precision is None:
+        from pipeline.training.precision import resolve  # precision -> cpu_matmul -> peak: resolved here, once
+        precision = resolve("fp32", ctx.device)
+    path, products = path or cache_path(), precision.peak
     if ctx.cuda:
-        name, dtype = torch.cuda.get_device_name(ctx.device), autocast_dtype(ctx.device)
+        name, dtype = torch.cuda.get_device_name(ctx.device), precision.dtype
         try:
             return Peak(flops_lib.device_tflops(name, dtype) * 1e12, flops_lib.device_tflops(name, "fp32"), name,
                         "nominal", None)

@@ -23,6 +23,7 @@ from model import flops as flops_lib
 from pipeline.corpus import steps
 from pipeline.training.distributed import Dist
 from pipeline.training.peak import Peak
+from pipeline.training.precision import Precision
 
 PLOT_COLUMNS = ("step", "loss", "lr", "tokens_per_second", "valid_ppl")
 TRACE_ENV = "STAGES_TRAIN_TRACE"
@@ -84,8 +85,8 @@ def step_tokens_metrics(p: Progress) -> dict[str, float]:
 
 
 def train_metrics(p: Progress, *, stopped_by_time: bool, train_batches: int, cuda_graphs: tuple[int | None, int | None],
-                  peak: Peak, world: int, accum: int, code_hash: str, phash: str, precision: str = "fp32",
-                  rdrop_alpha: float = 0.0) -> dict:
+                  peak: Peak, world: int, accum: int, code_hash: str, phash: str,
+                  precision: Precision | None = None) -> dict:
     """metrics/train.json: flat, the DVC record of the run. tokens_per_second and mfu are over the steps' time
     less their compiling (step_seconds - compile_seconds: Progress.train_seconds), so a compiled run's rate
     is its steady one; step_seconds is every step's time, compiling included.
@@ -111,8 +112,9 @@ def train_metrics(p: Progress, *, stopped_by_time: bool, train_batches: int, cud
         "peak_flops_source": peak.source,
         "tokens_per_second": p.train_tokens / p.train_seconds if p.train_seconds else 0.0,
         "device": peak.device,
-        "precision": precision,  # distributed.precision: fp32, a GPU's autocast, or a CPU's bf16 products
-        "rdrop_alpha": rdrop_alpha,  # R-Drop's alpha as trained, 0 without (train.rdrop_where: Trainer's trained_rdrop)
+        # how the steps computed (precision.py): the label names the kernels, the key is hashed into params_hash
+        "precision": precision.label if precision else "fp32",
+        "precision_key": precision.key if precision else "fp32",
         "devices": world,
         "grad_accum": accum,
         "code_hash": code_hash,

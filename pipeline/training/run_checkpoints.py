@@ -13,7 +13,9 @@ exactly (weights, Adam, RNGs, data position, counters): an interrupted run ends
 with the same weights as an uninterrupted one. A checkpoint of other code is set
 aside like one of other params, unless RESUME_ACROSS_CODE_CHANGE=1: then it is
 resumed and the crossing recorded (metrics code_changes, code_changed_at_step,
-code_changed_files). Only rank 0 reads and writes checkpoints; it sends the one
+code_changed_files). A checkpoint trained in another precision than this machine resolves
+(pipeline/training/precision.py) stops the run with one line naming both and how to force
+one, moving nothing. Only rank 0 reads and writes checkpoints; it sends the one
 it resumes to every rank (other nodes need not see them), on another world size
 too when a step keeps its batches (params_hash; RNGs: restore_rank_rng).
 """
@@ -25,7 +27,9 @@ import os
 from dataclasses import asdict
 
 from pipeline.core import signals
+from pipeline.core.config import ParamsError
 from pipeline.training import distributed
+from pipeline.training.precision import force_hint
 from pipeline.training.records import Progress
 from pipeline.weights import checkpoint as ckpt
 
@@ -34,7 +38,7 @@ log = logging.getLogger(__name__)
 
 class RunCheckpoints:
     """Trainer.save and Trainer.resume. They use the Trainer's attributes: checkpoints (None: neither reads nor
-    writes), ctx, cfg, run, phash, code, code_hash, model, model_cfg, data, optimizer, scaler, progress, and set
+    writes), ctx, cfg, run, phash, code, code_hash, precision, model, model_cfg, data, optimizer, scaler, progress, and set
     saved_step (the newest checkpoint written or resumed from)."""
 
     def resume(self) -> Progress:
@@ -42,8 +46,15 @@ class RunCheckpoints:
         if self.checkpoints is None:
             return Progress()
         across = os.environ.get(ckpt.ACROSS_CODE_CHANGE_ENV, "") == "1"
-        found = ckpt.resume_point(self.checkpoints, self.phash, self.code, across) if self.ctx.is_main else None
-        path, state, changed = distributed.broadcast_object(found or (None, None, []), self.ctx)
+        found, refused = None, ""
+        if self.ctx.is_main:
+            try:
+                found = ckpt.resume_point(self.checkpoints, self.phash, self.code, across, self.precision.key)
+            except ckpt.OtherPrecision as e:
+                refused = self.other_precision(e)
+        path, state, changed, refused = distributed.broadcast_object((*(found or (None, None, [])), refused), self.ctx)
+        if refused:
+            raise ParamsError(refused)
         if path is None:
             return Progress()
         self.model.load_state_dict(state["model"])
@@ -65,6 +76,13 @@ class RunCheckpoints:
         self.run.set_tags({"resumed_from_step": progress.step})
         return progress
 
+    def other_precision(self, e: ckpt.OtherPrecision) -> str:
+        """The line that stops a run whose newest checkpoint was trained in another precision than this machine's."""
+        p = self.precision
+        return (f"{e.path} was trained in {e.label}, and this machine computes in {p.label} ({p.machine}, "
+                f"train.cpu_matmul = {p.setting}): resume it where it computes in {e.key} ({force_hint(e.key)}), "
+                f"or move {self.checkpoints} away to train afresh in {p.key}")
+
     def save(self) -> None:
         """Checkpoint the run now: every rank's RNGs gathered, rank 0 writes (none when checkpoints is None)."""
         rngs = distributed.gather_objects(ckpt.capture_rng(), self.ctx)
@@ -74,6 +92,7 @@ class RunCheckpoints:
                 "step": p.step, "model": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
                 "model_config": asdict(self.model_cfg), "vocab_size": self.data.vocab_size,
                 "params_hash": self.phash, "code": self.code, "code_hash": self.code_hash,
+                "precision": {"key": self.precision.key, "label": self.precision.label},
                 "optimizer": self.optimizer.state_dict(), "rng": rngs,
                 **({"scaler": self.scaler.state_dict()} if self.scaler.is_enabled() else {}),
                 "data_position": {"epoch": p.epoch, "cursor": p.cursor}, "elapsed_seconds": p.elapsed_seconds,

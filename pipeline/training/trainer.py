@@ -1,6 +1,6 @@
 """The training loop of Sec. 5: Adam, warmup then inverse-square-root LR, label smoothing, data parallel.
 
-    trainer = Trainer(data, model_cfg, train_cfg, max_tokens, ctx, run, phash, checkpoints, plot)
+    trainer = Trainer(data, model_cfg, train_cfg, max_tokens, ctx, run, phash, checkpoints, plot, precision)
     metrics = trainer.fit()            # or drive it: trainer.step(order), trainer.validate()
 
 Each step updates on batches_per_step() stored batches, whatever the world size
@@ -21,13 +21,13 @@ stopped_by = "max_minutes" when it fired (else "max_steps").
 Checkpoints every checkpoint_every steps and at the end, never by the clock, so
 the checkpoints average takes are the same on any hardware; on start the newest
 matching one is resumed exactly (run_checkpoints.py).
-Precision: distributed.mixed_precision on GPUs, train.cpu_matmul on CPUs (cpu_matmul.py). train.compile compiles
+Precision: one value resolved from the device and train.cpu_matmul (precision.py). train.compile compiles
 the encoder and decoder layers (pipeline/training/compiled.py: checkpoints unchanged); if compiling fails, the step is
 repeated eager and the run stays eager, with one warning. The next step's micro-batches are built in a background
 thread while this one trains (loader.Prefetcher).
 
 Beside it in pipeline/training: validation.py (the valid loss and perplexity), records.py (Progress, the plot rows,
-metrics/train.json, the STAGES_TRAIN_TRACE debug lines), params.py (params_hash),
+metrics/train.json, the STAGES_TRAIN_TRACE debug lines), params.py (params_hash), precision.py (Precision),
 run_checkpoints.py (Trainer.save and Trainer.resume).
 """
 
@@ -36,7 +36,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -51,7 +51,7 @@ from model.loss import SmoothedLoss
 from model.schedule import lrate
 from model.transformer import Transformer
 from pipeline.weights import checkpoint as ckpt
-from pipeline.training import attention, compiled, cpu_matmul, distributed, graphs, peak, plan, records
+from pipeline.training import attention, compiled, distributed, graphs, peak, plan, records
 from pipeline.weights import faults, fingerprint
 from pipeline.core import tracking
 from pipeline.corpus import steps
@@ -60,20 +60,12 @@ from pipeline.training.distributed import Dist
 from pipeline.core.files import write_text
 from pipeline.training.loader import Prefetcher, TrainingData
 from pipeline.training.optimizer import build_optimizer, train_step, zero_grads
+from pipeline.training.precision import Precision, resolve
 from pipeline.training.records import plot_csv, trace, widen
 from pipeline.training.run_checkpoints import RunCheckpoints
 from pipeline.training.validation import validate
 
 log = logging.getLogger(__name__)
-
-
-def trained_rdrop(cfg: TrainConfig, autocasting: bool) -> TrainConfig:
-    """cfg as this run trains it: with train.rdrop_where = autocast and a step that runs without autocast (a CPU's
-    fp32 products), no R-Drop (rdrop_alpha 0, metrics/train.json's record), logged; else cfg itself."""
-    if cfg.rdrop_alpha > 0 and cfg.rdrop_where == "autocast" and not autocasting:
-        log.info("R-Drop off: train.rdrop_where = autocast and this step trains without autocast (fp32 products)")
-        return replace(cfg, rdrop_alpha=0.0)
-    return cfg
 
 
 class Trainer(RunCheckpoints):
@@ -83,7 +75,8 @@ class Trainer(RunCheckpoints):
     """
 
     def __init__(self, data: TrainingData, model_cfg: ModelConfig, cfg: TrainConfig, max_tokens: int, ctx: Dist,
-                 run: tracking.StageRun, phash: str, checkpoints: Path | None = None, plot: Path | None = None):
+                 run: tracking.StageRun, phash: str, checkpoints: Path | None = None, plot: Path | None = None,
+                 precision: Precision | None = None):
         self.data, self.model_cfg, self.cfg, self.ctx, self.run = data, model_cfg, cfg, ctx, run
         self.phash, self.checkpoints, self.plot = phash, checkpoints, plot
         self._order: tuple[int, np.ndarray] = (-1, np.zeros(0, np.int64))  # (epoch, its batch order)
@@ -101,16 +94,12 @@ class Trainer(RunCheckpoints):
         self.model = Transformer(model_cfg, data.vocab_size).to(ctx.device)
         self.optimizer = build_optimizer(self.model, cfg)
         # Paper: fp32 on P100s. GPUs train under autocast: bf16, or fp16 with a gradient scaler on GPUs without
-        # bf16 (the weights and Adam stay fp32).
-        # CPUs: fp32 (torch's BLAS or oneDNN), or bf16 products on AMX or under autocast on AVX-512 BF16
-        # (train.cpu_matmul), for this process and its attention kernels.
-        self.products = cpu_matmul.choose(cfg.cpu_matmul, ctx.device)
-        cpu_matmul.use(self.products)
-        self.precision = distributed.precision(ctx, cpu_matmul.describe(self.products))
-        cpu_dtype = cpu_matmul.autocast_dtype(self.products)
-        self.autocast, self.scaler = distributed.mixed_precision(ctx, self.precision, cpu_dtype)
-        given = cfg  # the params, as MLflow records them; self.cfg and cfg from here: as this run trains them
-        self.cfg = cfg = trained_rdrop(cfg, distributed.training_dtype(ctx.device, cpu_dtype) != torch.float32)
+        # bf16 (the weights and Adam stay fp32). CPUs: train.cpu_matmul. How the step computes, never what it
+        # trains (precision.py): the stage resolved it once and hashed it into phash; benches resolve it here.
+        self.precision = precision or resolve(cfg.cpu_matmul, ctx.device)
+        self.precision.use()  # this process's products and attention kernels
+        distributed.check_precision(self.precision.label, ctx)
+        self.autocast, self.scaler = self.precision.autocast(), self.precision.grad_scaler()
         torch.manual_seed(cfg.seed + ctx.rank)  # dropout masks differ between ranks
         # The code that shapes the weights (every project file train imports), recorded in each checkpoint:
         # a checkpoint of other code is not resumed (pipeline/weights/checkpoint.py, resume_point).
@@ -137,10 +126,11 @@ class Trainer(RunCheckpoints):
         if left_out:
             log.warning("%d valid pair(s) longer than model.max_positions = %d are left out of validation",
                         left_out, model_cfg.max_positions)
-        self.peak = (peak.peak_flops(ctx, products=cpu_matmul.precision(self.products)) if ctx.is_main
+        self.peak = (peak.peak_flops(ctx, precision=self.precision) if ctx.is_main
                      else peak.Peak(0.0, 0.0, "", "", None))
-        run.log_params({"model": asdict(model_cfg), "train": asdict(given), "batch.max_tokens": max_tokens,
-                        "grad_accum": self.accum, "device": self.peak.device, "precision": self.precision,
+        run.log_params({"model": asdict(model_cfg), "train": asdict(cfg), "batch.max_tokens": max_tokens,
+                        "grad_accum": self.accum, "device": self.peak.device, "precision": self.precision.label,
+                        "precision_key": self.precision.key,
                         "params_hash": phash,
                         "code_hash": self.code_hash,
                         "attention": ",".join(attention.choice(ctx.device) or ("cpu-default",))})
@@ -310,5 +300,4 @@ class Trainer(RunCheckpoints):
         return records.train_metrics(
             self.progress, stopped_by_time=self.stopped_by_time, train_batches=len(self.data.train_batches),
             cuda_graphs=graphs.totals(self.ctx.device) if self.cfg.cuda_graphs else (None, None), peak=self.peak,
-            world=self.ctx.world, accum=self.accum, code_hash=self.code_hash, phash=self.phash, precision=self.precision,
-            rdrop_alpha=self.cfg.rdrop_alpha)
+            world=self.ctx.world, accum=self.accum, code_hash=self.code_hash, phash=self.phash, precision=self.precision)

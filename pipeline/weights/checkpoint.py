@@ -204,6 +204,14 @@ def load_model(model_dir: str | Path, device: torch.device) -> Transformer:
     return model.to(device).eval()
 
 
+class OtherPrecision(CheckpointError):
+    """The newest checkpoint was trained in another precision than this machine resolves (resume_point)."""
+
+    def __init__(self, path: Path, key: str, label: str):
+        super().__init__(f"{path} trained in {label}")
+        self.path, self.key, self.label = path, key, label
+
+
 class Resume(NamedTuple):
     """What a restarted run continues from; `code_changed` lists the files whose code differs (empty: none)."""
 
@@ -219,9 +227,13 @@ def newest_complete(directory: Path) -> tuple[Path, dict] | None:
 
 
 def resume_point(directory: str | Path, params_hash: str, code: dict[str, str],
-                 across_code_change: bool = False) -> Resume | None:
+                 across_code_change: bool = False, precision: str | None = None) -> Resume | None:
     """The newest complete checkpoint if it has `params_hash` and was made by the same `code`
     (pipeline/weights/fingerprint.py); else set every checkpoint aside and return None.
+
+    A checkpoint that records another `precision` (the key the trainer's device resolved,
+    which params_hash holds too) raises OtherPrecision and moves nothing: a run is not thrown
+    away because it met a machine that computes otherwise.
 
     Checkpoints of other code are resumed only with `across_code_change`, and then
     Resume.code_changed names the files that differ. Unsealed or corrupt files
@@ -241,6 +253,9 @@ def resume_point(directory: str | Path, params_hash: str, code: dict[str, str],
     if found is not None:
         newest, payload = found
         changed = changed_files(payload.get("code"), code)
+        theirs = payload.get("precision") or {}
+        if precision is not None and theirs.get("key", precision) != precision:
+            raise OtherPrecision(newest, theirs["key"], theirs.get("label", theirs["key"]))
         if payload.get("params_hash") != params_hash:
             why = f"params changed (params_hash of {newest.name} differs)"
         elif changed and not across_code_change:
