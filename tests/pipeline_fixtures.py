@@ -86,6 +86,7 @@ def tiny_params(data: dict, **train: int) -> dict:
                            checkpoint_every=50, keep_checkpoints=5)
     params["train"].update(train)
     params["average"]["last_n"] = 3
+    params["export"]["check_lines"] = 20  # the export stage checks 20 validation lines: a few seconds a repro
     params["translate"].update(max_tokens=2000)
     return params
 
