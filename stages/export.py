@@ -3,7 +3,7 @@
     python -m stages.export --model data/model --tokenized data/tokenized --raw data/raw --out data/export
                             --metrics metrics/export.json [--params params.yaml]
 
-Reads params `export` (ExportConfig) and translate's length limits (max_len_a, max_len_b, max_tokens). Writes
+Reads params `export` (ExportConfig) and translate's length limits (max_len_a, max_len_b). Writes
 data/export/ (replaced whole, atomically, only once the check passed): CTranslate2's model.bin (weights as
 export.quantization says) and vocabularies, config.json (CTranslate2's, plus a `project` entry: the source run's
 params hash and steps, max_positions, the quantization) and spm.model, the sentencepiece model

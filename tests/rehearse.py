@@ -57,7 +57,7 @@ from tests.pipeline_fixtures import VENV_BIN, make_repo, write_params
 from tests.wmt_standin import Lexicon, stand_in
 
 EXPERIMENT = "wmt14_en_de_base"
-STAGES = ["download", "tokenize", "batch", "train", "average", "translate", "evaluate"]
+STAGES = ["download", "tokenize", "batch", "train", "average", "export", "translate", "evaluate"]
 WEIGHTS_TOLERANCE = 1e-5  # float32 sums in another order (an all-reduce against an accumulation)
 MOMENT_TOLERANCE = 1e-4  # the same, relative to the largest first moment
 SAMPLE_S = 0.25

@@ -28,7 +28,7 @@ from tests.http_fixtures import FileServer
 from tests.pipeline_fixtures import ROOT, VENV_BIN, dvc_run, git_commit, make_repo, tiny_params, write_corpus, \
     write_params
 
-STAGES = ["download", "tokenize", "batch", "train", "average", "translate", "evaluate"]
+STAGES = ["download", "tokenize", "batch", "train", "average", "export", "translate", "evaluate"]
 
 
 def commit_of(repo) -> str:

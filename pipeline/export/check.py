@@ -2,7 +2,7 @@
 
     metrics = compare(model, engine, sources, references, cfg)
 
-Greedy (beam 1, no length penalty) with translate's length limits, both engines on every CPU thread: the share of
+Greedy (beam 1, no length penalty) with translate's length limits, MAX_TOKENS source tokens a batch, both engines on every CPU thread: the share of
 identical outputs, the largest difference between the two engines' log-probabilities of the project's output
 tokens (EOS included, teacher-forced), sacreBLEU of each against the references, and each engine's sentences/s.
 """
@@ -26,6 +26,8 @@ from pipeline.export.engine import Ctranslate2Engine
 from pipeline.lengths import max_source_len
 
 MIN_IDENTICAL_FP32 = 0.995  # below this, a float32 export fails the stage
+MAX_TOKENS = 4000  # source tokens a batch, both engines (the default's translate.max_tokens; not read from params, so
+                   # that a change of translate.max_tokens does not re-run the export)
 
 
 def project_log_probs(model: Transformer, sources: Sequence[np.ndarray], outputs: Sequence[list[int]],
@@ -53,7 +55,7 @@ def _timed(decode) -> tuple[list[list[int]], float]:
 def compare(model: Transformer, engine: Ctranslate2Engine, sources: Sequence[np.ndarray], references: list[str],
             cfg: TranslateConfig) -> dict:
     """Greedy outputs of both engines on `sources` (ids without EOS) scored against `references` (metrics above)."""
-    greedy = replace(cfg, beam_size=1, length_penalty=0.0)
+    greedy = replace(cfg, beam_size=1, length_penalty=0.0, max_tokens=MAX_TOKENS)
     ours, ours_s = _timed(lambda: translate_ids(model, sources, greedy, progress=False))
     theirs, theirs_s = _timed(lambda: engine.translate_ids(sources, greedy))
     decoded = [i for i, s in enumerate(sources) if len(s)]
