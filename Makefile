@@ -9,7 +9,7 @@ export DVC_NO_ANALYTICS := 1
 export MLFLOW_DISABLE_TELEMETRY := true
 export DO_NOT_TRACK := 1
 
-.PHONY: install run test bench clean ui inspect multinode-smoke rehearse gpu-check gpu-profile gpu-graphs
+.PHONY: install run test bench clean ui inspect multinode-smoke rehearse gpu-check gpu-profile gpu-graphs check-layout
 
 install: $(VENV)/.installed
 
@@ -30,6 +30,11 @@ bench: install
 	$(BIN)/python -m bench.data_scale
 	$(BIN)/python -m bench.train_throughput
 	$(BIN)/python -m bench.decode
+
+# the house as drawn: imports down the floors (tools, bench -> stages -> pipeline -> model), no cycles, no code file
+# over 400 lines, no test module importing another (tests/test_layout.py, part of make test)
+check-layout: install
+	$(BIN)/python -m pytest -q tests/test_layout.py
 
 inspect: install
 	$(BIN)/python -m tools.inspect $(P)

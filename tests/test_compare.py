@@ -7,7 +7,7 @@ import os
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.test_evaluate import HYPS, REFS, run
+from tests.evaluate_fixtures import HYPS, REFS, run
 from tests.translation_fixtures import shared_store, store  # noqa: F401 (fixtures)
 from tools import compare
 

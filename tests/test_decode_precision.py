@@ -15,7 +15,7 @@ from model.beam_search import beam_search
 from pipeline.core.config import TranslateConfig
 from pipeline.training import distributed
 from stages import translate
-from tests.test_beam_search import BOS, EOS, V, sources, tiny_model
+from tests.beam_fixtures import BOS, EOS, V, sources, tiny_model
 
 
 class LinearWeights(TorchDispatchMode):

@@ -23,7 +23,7 @@ from pipeline.training import distributed
 from pipeline.core import lineage, signals, tracking
 from stages import evaluate, train
 from tests.http_fixtures import FileServer
-from tests.test_evaluate import HYPS, REFS, write_split_files
+from tests.evaluate_fixtures import HYPS, REFS, write_split_files
 from tests.train_fixtures import ROOT, stage_args, stage_env, write_corpus, write_params
 
 

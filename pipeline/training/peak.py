@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from model import flops as flops_lib
-from pipeline.training.distributed import Dist
+from pipeline.training.distributed import Dist, autocast_dtype
 from pipeline.core.files import write_json
 
 if TYPE_CHECKING:
@@ -171,14 +171,13 @@ def nominal_cpu_peak(threads: int, text: str | None = None, products: str = "fp3
 
 def peak_flops(ctx: Dist, path: Path | None = None, precision: Precision | None = None) -> Peak:
     """This process's device peak: a GPU's datasheet figure, a CPU's nominal one, else the cached (or now measured)
-    matmul peak, at the run's `precision` (pipeline/training/precision.py, applied before this call; None: what
-    train.cpu_matmul = fp32 resolves to); the paper's estimate keeps the fp32 figure."""
-    if precision is None:
-        from pipeline.training.precision import resolve  # precision -> cpu_matmul -> peak: resolved here, once
-        precision = resolve("fp32", ctx.device)
-    path, products = path or cache_path(), precision.peak
+    matmul peak, at the run's `precision` (pipeline/training/precision.py, applied before this call; None: fp32 on a
+    CPU, a GPU's autocast); the paper's estimate keeps the fp32 figure."""
+    path = path or cache_path()
+    products = precision.peak if precision else "fp32"
     if ctx.cuda:
-        name, dtype = torch.cuda.get_device_name(ctx.device), precision.dtype
+        name = torch.cuda.get_device_name(ctx.device)
+        dtype = precision.dtype if precision else autocast_dtype(ctx.device)
         try:
             return Peak(flops_lib.device_tflops(name, dtype) * 1e12, flops_lib.device_tflops(name, "fp32"), name,
                         "nominal", None)
