@@ -1,11 +1,12 @@
 """Decoding precision: the translate stage's beam search in fp32 and in the training precision, same model, same BLEU?
+Measures, per device, what translate.precision = auto chooses: fp32 unless another precision decodes faster here.
 
     python -m bench.decode_precision --model data/model --tokenized data/tokenized --raw data/raw [--dtype bf16]
 
 Decodes the test split (Multi30k test2016 for the default) with the stage's
 own translate_ids and `translate` params twice on this machine's device: the
-model in fp32, then cast once by stages.translate.decoding_precision (bf16 on
-GPUs that have it; a CPU stays fp32 unless --dtype asks for another), and
+model in fp32, then cast once to the training precision (bf16 on GPUs that
+have it; a CPU stays fp32 unless --dtype asks for another), and
 prints each one's sentences/s, sacreBLEU and Multi30k lc.norm.tok BLEU, and the
 differences (the translate stage may decode in the training precision only
 where it loses at most 0.1 BLEU).
@@ -24,7 +25,8 @@ from pipeline.core.config import TranslateConfig, compose, parse
 from pipeline.corpus.formats import load_spm, load_split, read_meta
 from pipeline.scoring import multi30k_bleu, read_lines, score
 from pipeline.weights.checkpoint import load_model
-from stages.translate import decoding_precision, detokenize
+from pipeline.training import distributed
+from stages.translate import detokenize
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -51,8 +53,8 @@ def compare(model_dir: Path, tokenized: Path, raw: Path, dtype: torch.dtype | No
     for name in ("fp32", "decoding"):
         model = load_model(model_dir, device).eval()
         if name == "decoding":
-            chosen = decoding_precision(model) if dtype is None else dtype
-            model.to(chosen)  # cast once, as the stage does
+            chosen = distributed.autocast_dtype(device) if dtype is None else dtype  # the training precision
+            model.to(chosen)  # cast once, as the stage does with translate.precision
             name = {v: k for k, v in DTYPES.items()}[chosen]
             if name == "fp32":
                 break  # this device decodes in fp32: nothing to compare

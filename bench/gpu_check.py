@@ -29,8 +29,8 @@ torch.cuda.set_sync_debug_mode("warn") (CUDA, all but graphs, whose recording
 of each new shape synchronises): the steps run whole, and any sync fails the
 line. Then one
 Trainer.save's seconds, and beam-4 sentences/s of stages.translate.translate_ids
-with the model cast as the translate stage casts it (decoding_precision: bf16
-where the GPU has it) and in fp32, with bench.decode's EOS bias (outputs end
+with the model cast as the translate stage casts it (decoding_precision: fp32
+by default) and in the training precision (bf16 where the GPU has it), with bench.decode's EOS bias (outputs end
 near the source length) (bench/gpu_decode.py). A step that does not fit halves
 batch.max_tokens, and the reference splits its micro-batch (both said).
 Exits 1, after every line, where training ran the math attention kernel on a
@@ -159,11 +159,11 @@ def check(name: str, device: torch.device, args: argparse.Namespace, ctx: distri
     sources, _ = synthetic_corpus(args.sentences, seed=100 + PRESETS.index(name), vocab=s.vocab, mean=WMT_MEAN,
                                   sd=WMT_SD, longest=WMT_LONGEST)
     sources = [np.asarray(sources[i], dtype=np.int64) for i in range(len(sources))]
-    for stage_precision, what in ((True, "the translate stage's precision"), (False, "fp32")):
+    for stage_precision, what in ((True, "the translate stage's precision"), (False, "the training precision")):
         rate, dtype = time_decoding(s, sources, stage_precision)
         results[f"decode {what}"] = rate
-        said = f"{what}, {dtype} weights" if stage_precision else what
-        print(f"{name}: beam {s.translate_cfg.beam_size}, {said}: {rate:.1f} sentences/s (translate_ids)", flush=True)
+        print(f"{name}: beam {s.translate_cfg.beam_size}, {what}, {dtype} weights: {rate:.1f} sentences/s "
+              "(translate_ids)", flush=True)
     return results
 
 

@@ -1,4 +1,5 @@
-"""gpu-check's decoding lines: beam search as the translate stage runs it, in its precision and in fp32
+"""gpu-check's decoding lines: beam search as the translate stage runs it, in its precision (translate.precision) and
+in the training precision of the GPU (bf16 where it has it), so that whether bf16 decodes faster stays measured
 (bench/gpu_check.py)."""
 
 from __future__ import annotations
@@ -11,15 +12,21 @@ from bench.decode import EosNearSourceLength, timed
 from bench.gpu_setup import Setup
 from model import flops as flops_lib
 from model.transformer import Transformer
+from pipeline.training import distributed
 from stages.translate import decoding_precision
 
 
 def decoding_model(s: Setup, stage_precision: bool) -> tuple[nn.Module, torch.dtype]:
     """The preset's Transformer (seeded, untrained) with bench.decode's EOS bias, and its dtype: cast as the translate
-    stage casts it (decoding_precision) where `stage_precision`, else fp32."""
+    stage casts it (decoding_precision of the preset's translate.precision) where `stage_precision`, else to the
+    device's training precision (distributed.autocast_dtype)."""
     torch.manual_seed(s.train_cfg.seed)
     model = Transformer(s.model_cfg, s.vocab).to(s.device)
-    dtype = decoding_precision(model) if stage_precision else torch.float32
+    if stage_precision:
+        dtype = decoding_precision(model, s.translate_cfg.precision)
+    else:
+        dtype = distributed.autocast_dtype(s.device)
+        model.to(dtype)
     return EosNearSourceLength(model, slope=2.0).eval(), dtype
 
 

@@ -28,16 +28,25 @@ from pipeline.training import distributed
 log = logging.getLogger(__name__)
 
 
-def decoding_precision(model: Transformer) -> torch.dtype:
-    """Cast `model` in place, once, to the precision training ran in on its device; returns that dtype.
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # translate.precision, but auto
 
-    The whole model, as fairseq's generate does with --fp16 (model.half()), not autocast around each step:
+
+def decoding_precision(model: Transformer, setting: str = "auto") -> torch.dtype:
+    """Cast `model` in place, once, to translate.precision = `setting`; returns that dtype.
+
+    auto: fp32 on every device, the precision measured never slower: on an H200 bf16 weights decoded at 0.36x to 0.85x
+    fp32's sentences/s (python -m bench.decode_precision, docs/gpu_benchmarks.md), on CPUs fp32 is how they train.
+    fp32 / bf16 / fp16 force one; a GPU without bf16 (compute capability below 8.0) refuses bf16 with one line.
+    The whole model is cast, as fairseq's generate does with --fp16 (model.half()), not autocast around each step:
     autocast's cast weights are cached only until its block exits, so a step under autocast casts every weight
     again. In bf16 the residual stream and LayerNorm outputs are rounded to bf16; LayerNorm and softmax still
     accumulate in fp32 inside their kernels, and beam search scores fp32 log-probabilities (_next_logits).
-    A CPU decodes in fp32, as it trains: the model is left as it is.
     """
-    dtype = distributed.autocast_dtype(model.embedding.weight.device)
+    device = model.embedding.weight.device
+    dtype = PRECISIONS.get(setting, torch.float32)
+    if dtype == torch.bfloat16 and device.type == "cuda" and distributed.autocast_dtype(device) != torch.bfloat16:
+        raise ParamsError(f"translate.precision = 'bf16': this GPU ({torch.cuda.get_device_name(device)}) has no bf16 "
+                          "(compute capability 8.0 and newer); set it to 'auto', 'fp32' or 'fp16'")
     model.to(dtype)  # in place: parameters and buffers (nothing to do in fp32)
     return dtype
 

@@ -16,9 +16,9 @@ An empty source line (or one that encodes to no pieces) is not decoded: its
 translation is an empty line, in the files and on stdout. data/raw is read only to check that the encoded
 splits still match it line for line.
 
-Precision: the training precision of the device (distributed.autocast_dtype: bf16 on GPUs that have it, fp16 on
-7.x, fp32 on CPUs), the weights cast to it once (decoding_precision); recorded as the MLflow param
-`decode_precision` and in the log.
+Precision: translate.precision, auto = fp32 on every device (bf16 weights decoded slower than fp32 on the GPU
+measured; pipeline/decoding.py), or fp32 / bf16 / fp16 forced, the weights cast to it once (decoding_precision);
+recorded as the MLflow param `decode_precision` and in the log.
 
 Engine: translate.engine (or --engine) ctranslate2 decodes with the export stage's CTranslate2 model (data/export)
 instead, with the same tokenization, source cut, beam size and length limits, and the length penalty mapped
@@ -151,7 +151,7 @@ def project_decoder(args: argparse.Namespace, cfg: TranslateConfig) -> tuple[Dec
     if "OMP_NUM_THREADS" not in os.environ:  # an explicit setting wins
         torch.set_num_threads(os.cpu_count() or 1)
     model = load_model(args.model, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-    precision = str(decoding.decoding_precision(model)).removeprefix("torch.")  # float32, bfloat16, float16
+    precision = str(decoding.decoding_precision(model, cfg.precision)).removeprefix("torch.")  # float32, bfloat16...
     log.info("decoding in %s", precision)
     log.info("attention: %s", attention.use(model.embedding.weight.device))  # the kernels training chose, on CUDA
     sp = load_spm(args.tokenized, model.embedding.num_embeddings)

@@ -83,8 +83,9 @@ def test_gpu_check_times_the_trainers_step_under_ddp_in_epoch_order_and_saves_a_
         assert torch.equal(found.payload["model"][name], want), name
 
 
-def test_decoding_casts_the_model_as_the_translate_stage_does(monkeypatch):
-    """The stage's decoding_precision: fp32 on a CPU; where training runs bf16 (pretended here), bf16 weights."""
+def test_decoding_casts_the_model_as_the_translate_stage_does_and_times_the_training_precision_beside(monkeypatch):
+    """The stage's decoding_precision (translate.precision auto): fp32, also where training runs bf16 (pretended
+    here); the second line casts to the training precision, bf16 there."""
     s = gpu_check.preset("base", CPU, tiny=True)
     src, _ = gpu_check.synthetic_corpus(4, seed=5, vocab=s.vocab, mean=8, sd=2, longest=12)
     sources = [np.asarray(src[i], dtype=np.int64) for i in range(len(src))]
@@ -92,10 +93,12 @@ def test_decoding_casts_the_model_as_the_translate_stage_does(monkeypatch):
     assert dtype == torch.float32 and {p.dtype for p in model.parameters()} == {torch.float32}
     monkeypatch.setattr(distributed, "autocast_dtype", lambda device: torch.bfloat16)
     model, dtype = gpu_decode.decoding_model(s, stage_precision=True)
+    assert dtype == torch.float32 and {p.dtype for p in model.parameters()} == {torch.float32}
+    model, dtype = gpu_decode.decoding_model(s, stage_precision=False)
     assert dtype == torch.bfloat16 and {p.dtype for p in model.parameters()} == {torch.bfloat16}
-    rate, name = gpu_decode.time_decoding(s, sources, stage_precision=True)
+    rate, name = gpu_decode.time_decoding(s, sources, stage_precision=False)
     assert rate > 0 and name == "bf16"
-    assert gpu_decode.time_decoding(s, sources, stage_precision=False)[1] == "fp32"
+    assert gpu_decode.time_decoding(s, sources, stage_precision=True)[1] == "fp32"
 
 
 @pytest.mark.parametrize("name, kind", [
@@ -184,10 +187,11 @@ def test_gpu_check_prints_the_reference_then_each_mode_on_its_own_corpus_then_de
     assert len({r[mode]["seed"] for mode in gpu_timing.MODES}) == len({r[mode]["corpus"] for mode in gpu_timing.MODES}) == 3
     assert set(r["eager"]["batch_shapes"]) != set(r["compiled"]["batch_shapes"])
     assert re.search(r"checkpoint [\d.]+ MiB saved in [\d.]+ s", save), save
-    # Decoding: beam 4 as the translate stage decodes (fp32 on a CPU) and in fp32.
+    # Decoding: beam 4 as the translate stage decodes (fp32) and in the training precision (fp32 on a CPU).
     assert re.fullmatch(r"base: beam 4, the translate stage's precision, fp32 weights: [\d.]+ sentences/s "
                         r"\(translate_ids\)", decode_stage), decode_stage
-    assert re.fullmatch(r"base: beam 4, fp32: [\d.]+ sentences/s \(translate_ids\)", decode_fp32), decode_fp32
+    assert re.fullmatch(r"base: beam 4, the training precision, fp32 weights: [\d.]+ sentences/s \(translate_ids\)",
+                        decode_fp32), decode_fp32
 
 
 def test_a_host_sync_in_the_timed_steps_fails_the_line_and_keeps_its_figures():

@@ -193,6 +193,8 @@ class TranslateConfig:
     max_len_b: int = field(metadata={"range": "[0, inf)"})
     max_tokens: int = field(metadata={"range": "[1, inf)"})  # source tokens per decoding batch
     engine: str = field(default="project", metadata={"choices": ("project", "ctranslate2")})  # or the export's model
+    # the project engine's weights: auto (fp32 on every device, measured never slower: pipeline/decoding.py), or forced
+    precision: str = field(default="auto", metadata={"choices": ("auto", "fp32", "bf16", "fp16")})
 
 
 @dataclass(frozen=True)
