@@ -22,6 +22,10 @@ over pipeline.training.peak), peak memory.
              over the reference's); compiled and graphs also what dynamo did
              during the timed steps (graphs, graph breaks, recompiles and their
              reasons), graphs the CUDA graphs recorded and their pool's memory.
+  share      the eager step as one of --ranks processes (8: the paper's GPUs) trains it, alone: the
+             row parts of each batch rank 0 takes (pipeline/corpus/steps.py), without the gradient
+             all-reduce; tokens/s and MFU per GPU beside the whole step's, and the preset's
+             train.max_steps on that many GPUs predicted from it (compute only).
 Under each line, what ran inside (bench/gpu_kernels.py): the attention kernels
 of the last warm-up step (profiler kernel names: flash, efficient, math, cudnn;
 CUDA only), and the host syncs of the timed steps, each caught by
@@ -98,6 +102,16 @@ def training_line(name: str, mode: str, r: dict, reference: dict, s: Setup) -> s
             f"{s.max_tokens})")
 
 
+def share_line(name: str, r: dict, whole: dict, s: Setup) -> str:
+    """The rank's share of the eager step beside the whole step, and the preset's steps on that many GPUs from it."""
+    seconds = r["tokens_per_step"] / r["tokens_per_s"]  # a step's time on each GPU, the all-reduce left out
+    hours = s.train_cfg.max_steps * seconds / 3600
+    return (f"{name} share: 1 of {r['ranks']} GPUs: {figures(r)}, {r['tokens_per_s'] / whole['tokens_per_s']:.2f}x "
+            f"the whole step's tokens/s per GPU; {r['tokens_per_step']:,.0f} target tokens/step on this GPU (each "
+            f"batch cut into {r['parts']} row parts, rank 0's), {seconds * 1e3:.1f} ms a step; train.max_steps "
+            f"{s.train_cfg.max_steps:,} on {r['ranks']} GPUs: {hours:.2f} h predicted (compute only, no all-reduce)")
+
+
 def inside_line(name: str, mode: str, r: dict) -> str:
     """What ran inside the line's steps: attention kernels, dynamo's work, the CUDA graphs, the sync check."""
     kernels = ("kernel names are CUDA-only" if r["attention"] is None else
@@ -156,6 +170,13 @@ def check(name: str, device: torch.device, args: argparse.Namespace, ctx: distri
                 [saved] = checkpoints.glob("step_*.pt")
                 print(f"{name}: checkpoint {saved.stat().st_size / 2**20:,.1f} MiB saved in {r['save_seconds']:.1f} s "
                       "(Trainer.save: weights, Adam, RNGs, sha256 sidecar)", flush=True)
+        if args.ranks > 1:  # the eager step as one of --ranks processes trains it, on a corpus of its own
+            r, s = fitting_training(s, seeds["eager"] + len(MODES) * len(PRESETS), ctx, args.steps, "eager",
+                                    tmp / "share", ranks=args.ranks)
+            r.pop("trainer").close()
+            results["share"] = r
+            print(share_line(name, r, results["eager"], s), flush=True)
+            failures += failures_of(name, "share", r, device)
     sources, _ = synthetic_corpus(args.sentences, seed=100 + PRESETS.index(name), vocab=s.vocab, mean=WMT_MEAN,
                                   sd=WMT_SD, longest=WMT_LONGEST)
     sources = [np.asarray(sources[i], dtype=np.int64) for i in range(len(sources))]
@@ -172,6 +193,7 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=50, help="timed steps per model and mode, after the warm-up")
     parser.add_argument("--sentences", type=int, default=400, help="sentences decoded per model and precision")
     parser.add_argument("--no-compile", action="store_true", help="skip the train.compile and train.cuda_graphs runs")
+    parser.add_argument("--ranks", type=int, default=8, help="the share line's processes (1: no share line)")
     return parser
 
 

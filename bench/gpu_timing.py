@@ -18,6 +18,7 @@ import torch
 from bench.gpu_kernels import Dynamo, attention_kernels, no_host_syncs, profiled
 from bench.gpu_setup import WARMUP_STEPS, Setup, digest, fresh, sync, training_data
 from pipeline.core.tracking import StageRun
+from pipeline.corpus import steps as division
 from pipeline.training import distributed, graphs
 from pipeline.training.loader import TrainingData
 from pipeline.training.trainer import Trainer
@@ -66,27 +67,43 @@ def trainer(s: Setup, data: TrainingData, ctx: distributed.Dist, mode: str, chec
     return Trainer(data, s.model_cfg, cfg, s.max_tokens, ctx, StageRun(), phash="gpu-check", checkpoints=checkpoints)
 
 
+def as_rank_share(t: Trainer, ranks: int) -> None:
+    """Make `t` train what rank 0 of `ranks` processes trains of each step (the trainer's own division:
+    steps.parts_per_batch row parts of each stored batch, steps.rank_share's pieces), alone: no process group, so
+    no gradient all-reduce; the loss is still scaled by the whole step's tokens."""
+    t.parts = division.parts_per_batch(t.batches, ranks)
+
+    def share(step_ids: np.ndarray) -> tuple[tuple[tuple[int, int], ...], int, int]:
+        mine, n_micro = division.rank_share(step_ids, 0, ranks, t.parts)
+        return tuple(mine), n_micro, int(step_ids[0])
+    t.share = share
+
+
 def time_training(s: Setup, data: TrainingData, ctx: distributed.Dist, steps: int, mode: str,
-                  checkpoints: Path | None = None) -> dict:
+                  checkpoints: Path | None = None, ranks: int = 1) -> dict:
     """Trainer.step over its epoch order: timed() (the trainer's own token and FLOP counts; a sync check except
     where graphs record, which synchronises, at each new shape), the batches each step took and their shapes; with
     `checkpoints`, then the seconds Trainer.save takes. Trainer.step alone: validation and logging (Trainer.fit)
-    never fall in the timed steps."""
+    never fall in the timed steps. `ranks` > 1: the step as rank 0's share of that many processes (as_rank_share),
+    its own target tokens counted, and its FLOPs as the step's in proportion to them."""
     fresh(s.device)
     t = trainer(s, data, ctx, mode, checkpoints)
-    p, taken = t.progress, []
+    p, taken, mine = t.progress, [], [0]
+    if ranks > 1:
+        as_rank_share(t, ranks)
 
     def step() -> None:
         order = t.epoch_order()
         start = p.cursor
-        t.step(order)
+        mine[0] += t.step(order)[1]
         taken.append([int(b) for b in order[start : p.cursor]])
 
-    r = timed(step, lambda: (p.train_tokens, p.flops), steps, s.device, check_syncs=mode != "graphs",
-              compiling=lambda: p.compile_seconds)
+    count = ((lambda: (p.train_tokens, p.flops)) if ranks == 1 else
+             (lambda: (mine[0], p.flops * mine[0] / max(p.train_tokens, 1))))
+    r = timed(step, count, steps, s.device, check_syncs=mode != "graphs", compiling=lambda: p.compile_seconds)
     timed_batches = [b for ids in taken[WARMUP_STEPS:] for b in ids]
     recorded, pool = graphs.totals(s.device) if mode == "graphs" else (None, None)
-    r |= {"accum": t.accum, "peak": t.peak, "trainer": t, "compiled": bool(t.compiled), "epochs": p.epoch + 1,
+    r |= {"accum": t.accum, "parts": t.parts, "ranks": ranks, "peak": t.peak, "trainer": t, "compiled": bool(t.compiled), "epochs": p.epoch + 1,
           "dtype": t.precision.dtype, "batches": taken, "corpus": digest(data),
           "cuda_graphs": recorded, "cuda_graphs_pool": pool,
           # (pairs, longest source, longest target) with EOS / BOS, before any length-bucket padding
@@ -100,13 +117,13 @@ def time_training(s: Setup, data: TrainingData, ctx: distributed.Dist, steps: in
 
 
 def fitting_training(s: Setup, seed: int, ctx: distributed.Dist, steps: int, mode: str, directory: Path,
-                     checkpoints: Path | None = None) -> tuple[dict, Setup]:
+                     checkpoints: Path | None = None, ranks: int = 1) -> tuple[dict, Setup]:
     """time_training on a fresh corpus (`seed`) at the preset's batch size, or halved (accumulation doubled) until a
     step fits in memory."""
     while True:
         data = training_data(s, seed, steps, directory / f"max_tokens{s.max_tokens}")
         try:
-            return time_training(s, data, ctx, steps, mode, checkpoints) | {"seed": seed}, s
+            return time_training(s, data, ctx, steps, mode, checkpoints, ranks) | {"seed": seed}, s
         except torch.OutOfMemoryError:
             if s.max_tokens < 256:
                 raise

@@ -158,8 +158,9 @@ def test_gpu_check_prints_the_reference_then_each_mode_on_its_own_corpus_then_de
     lines = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in lines] == [
         "base reference", "base reference inside", "base eager", "base eager inside", "base", "base compiled",
-        "base compiled inside", "base graphs", "base graphs inside", "base", "base"], lines
-    reference, _, eager, eager_inside, save, comp, comp_inside, graphs, graphs_inside, decode_stage, decode_fp32 = lines
+        "base compiled inside", "base graphs", "base graphs inside", "base share", "base", "base"], lines
+    (reference, _, eager, eager_inside, save, comp, comp_inside, graphs, graphs_inside, share, decode_stage,
+     decode_fp32) = lines
     r = results["base"]
     # The reference: the step's tokens in one fixed-shape micro-batch, the whole loss compiled.
     assert "1 x [32, 32] micro-batch" in reference and "under one torch.compile" in reference, reference
@@ -187,6 +188,20 @@ def test_gpu_check_prints_the_reference_then_each_mode_on_its_own_corpus_then_de
     assert len({r[mode]["seed"] for mode in gpu_timing.MODES}) == len({r[mode]["corpus"] for mode in gpu_timing.MODES}) == 3
     assert set(r["eager"]["batch_shapes"]) != set(r["compiled"]["batch_shapes"])
     assert re.search(r"checkpoint [\d.]+ MiB saved in [\d.]+ s", save), save
+    # One of 8 ranks' share of the eager step: each of the step's 2 batches cut into 4 row parts, rank 0's one
+    # piece of the 8 (pipeline/corpus/steps.py), its own tokens counted; the prediction follows from its rate.
+    assert re.fullmatch(r"base share: 1 of 8 GPUs: [\d,]+ target tokens/s, [\d.]+% MFU, n/a peak, [\d.]+x the whole "
+                        r"step's tokens/s per GPU; [\d,]+ target tokens/step on this GPU \(each batch cut into 4 row "
+                        r"parts, rank 0's\), [\d.]+ ms a step; train.max_steps [\d,]+ on 8 GPUs: [\d.]+ h predicted "
+                        r"\(compute only, no all-reduce\)", share), share
+    whole, part = r["eager"], r["share"]
+    assert part["parts"] == 4 and part["ranks"] == 8 and whole["parts"] == 1
+    assert all(len(ids) == 2 for ids in part["batches"])  # the step's batches, of which it trains its share
+    assert 0 < part["tokens_per_step"] < whole["tokens_per_step"] / 4  # a 1/8 share: about an eighth of the tokens
+    seconds = part["tokens_per_step"] / part["tokens_per_s"]
+    hours = float(re.search(r"on 8 GPUs: ([\d.]+) h", share)[1])
+    assert hours == pytest.approx(gpu_check.preset("base", CPU, tiny=True).train_cfg.max_steps * seconds / 3600,
+                                  rel=0.02, abs=0.006)
     # Decoding: beam 4 as the translate stage decodes (fp32) and in the training precision (fp32 on a CPU).
     assert re.fullmatch(r"base: beam 4, the translate stage's precision, fp32 weights: [\d.]+ sentences/s "
                         r"\(translate_ids\)", decode_stage), decode_stage
