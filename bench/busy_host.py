@@ -33,7 +33,7 @@ import sys
 import time
 
 
-from pipeline.training import distributed
+from pipeline.device import distributed
 
 MODULE = "bench.busy_host"
 

@@ -10,8 +10,8 @@ process of its own (a process that has run oneDNN's products runs torch's BLAS s
 turns round by round so that load from other programs hits every way alike:
   fp32          torch's default: fp32 products by its BLAS (MKL), its flash attention kernel for CPUs;
   onednn        on a CPU with AVX-512 and without AMX, what train.cpu_matmul = fp32 trains with: fp32
-                products by oneDNN (pipeline/training/cpu_matmul.py) and torch's math attention kernel
-                (pipeline/training/attention.py);
+                products by oneDNN (pipeline/device/cpu_matmul.py) and torch's math attention kernel
+                (pipeline/device/attention.py);
   bf16          on a CPU with AMX, what train.cpu_matmul = auto trains with: bf16 products and the math kernel;
   autocast      on a CPU with AVX-512 BF16 and without AMX, what auto trains with there: the onednn way's step
                 under torch.autocast(bf16), the products' inputs and outputs bf16 (oneDNN's avx512_bf16 kernels);
@@ -47,9 +47,9 @@ from model.transformer import Transformer
 from pipeline.core import config
 from pipeline.core.errors import PipelineError
 from pipeline.corpus.batching import make_batches
-from pipeline.training import attention, cpu_matmul, distributed
+from pipeline.device import attention, cpu_matmul, distributed
 from pipeline.training.loader import Batch, TrainingData, collate
-from pipeline.training.precision import of_choice
+from pipeline.device.precision import of_choice
 
 CPU = torch.device("cpu")
 

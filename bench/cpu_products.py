@@ -13,7 +13,7 @@ which compiles and keeps a kernel per shape (a run's 217 batch shapes meet it co
 against oneDNN holds for the train stage. Prints a line per product (ms,
 oneDNN's speed over BLAS's, their largest difference relative to the product's largest entry) and the
 sums; exits non-zero if the two disagree beyond fp32 rounding. Which library the train stage uses on
-which CPU: pipeline/training/cpu_matmul.py; figures: docs/benchmarks.md.
+which CPU: pipeline/device/cpu_matmul.py; figures: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from pipeline.core import config
 from pipeline.core.config import BatchConfig, ModelConfig, TokenizeConfig
-from pipeline.training import distributed
+from pipeline.device import distributed
 
 AGREE = 1e-4  # fp32 products of these sizes differ by ~1e-6 of their largest entry; bf16 rounding by ~1e-2
 

@@ -48,7 +48,7 @@ from model.transformer import DecoderState, Transformer
 from pipeline.weights.checkpoint import load_model
 from pipeline.core.config import TranslateConfig, compose, parse
 from pipeline.corpus.formats import EOS_ID, load_spm, load_split, read_meta
-from pipeline.scoring import printed, read_lines
+from pipeline.translation.scoring import printed, read_lines
 from stages.translate import detokenize, translate_ids
 
 log = logging.getLogger("bench.decode")

@@ -23,9 +23,9 @@ import torch
 from bench.decode import timed
 from pipeline.core.config import TranslateConfig, compose, parse
 from pipeline.corpus.formats import load_spm, load_split, read_meta
-from pipeline.scoring import multi30k_bleu, read_lines, score
+from pipeline.translation.scoring import multi30k_bleu, read_lines, score
 from pipeline.weights.checkpoint import load_model
-from pipeline.training import distributed
+from pipeline.device import distributed
 from stages.translate import detokenize
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

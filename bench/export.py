@@ -7,7 +7,7 @@ The same averaged model, the same sources (the split's encoded lines, the first 
 preset's `translate` params (beam 4 and its length limits; the length penalty mapped for CTranslate2 as
 pipeline/export/engine.py says). The model is exported twice into a temporary directory (quantization none and
 int8, as the export stage writes it); then each round decodes the sources with the project's decoder
-(pipeline/decoding.py, as the translate stage runs it), CTranslate2 float32 and CTranslate2 int8, in turn, so that
+(pipeline/translation/decoding.py, as the translate stage runs it), CTranslate2 float32 and CTranslate2 int8, in turn, so that
 load from other programs hits all three alike. Each engine's best round is reported as sentences/s and as a ratio to
 the project's, with its sacreBLEU against the split's references, the share of outputs identical to the project's,
 and each model's size. --penalties also decodes with CTranslate2 float32 at beta 0 and beta = alpha (instead of
@@ -28,10 +28,10 @@ from sacrebleu.metrics import BLEU
 
 from pipeline.core.config import TranslateConfig, compose, parse
 from pipeline.corpus.formats import load_split, read_meta
-from pipeline.decoding import translate_ids
+from pipeline.translation.decoding import translate_ids
 from pipeline.export.engine import Ctranslate2Engine
 from pipeline.export.spec import write_ctranslate2
-from pipeline.scoring import read_lines
+from pipeline.translation.scoring import read_lines
 from pipeline.weights.checkpoint import load_model
 
 

@@ -6,7 +6,7 @@ Per preset (wmt14_en_de_base, _big with train.devices=1: its model, vocabulary
 37000, batch config and train.tokens_per_step), each line runs WARMUP_STEPS
 steps (compiling falls there: their seconds and the graphs dynamo compiled are
 printed apart), then --steps timed ones: target tokens/s, MFU (model.flops
-over pipeline.training.peak), peak memory.
+over pipeline.device.peak), peak memory.
   reference  the step at its simplest, printed first: a Trainer's model, loss
              (no DDP), Adam, autocast and attention kernels, the whole loss
              under one torch.compile, one fixed micro-batch of the step's
@@ -60,7 +60,7 @@ from bench.gpu_setup import (PRESETS, VALID_PAIRS, WARMUP_STEPS, WMT_LONGEST, WM
 from bench.gpu_timing import MODES, fitting_training
 from bench.train_throughput import synthetic_corpus
 from model import flops as flops_lib
-from pipeline.training import distributed
+from pipeline.device import distributed
 
 
 def precision(dtype: torch.dtype) -> str:
@@ -137,7 +137,7 @@ def failures_of(name: str, mode: str, r: dict, device: torch.device) -> list[str
     failed = []
     if device.type == "cuda" and r["attention"] is not None and "math" in r["attention"]:
         failed.append(f"{name} {mode} trained with the math attention kernel ({r['attention']}): flash / efficient "
-                      "expected (pipeline/training/attention.py)")
+                      "expected (pipeline/device/attention.py)")
     if r.get("host_syncs"):
         failed.append(f"{name} {mode}: {len(r['host_syncs'])} host sync(s) in the timed steps: {r['host_syncs'][0]}")
     return failed

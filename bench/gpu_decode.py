@@ -12,7 +12,7 @@ from bench.decode import EosNearSourceLength, timed
 from bench.gpu_setup import Setup
 from model import flops as flops_lib
 from model.transformer import Transformer
-from pipeline.training import distributed
+from pipeline.device import distributed
 from stages.translate import decoding_precision
 
 

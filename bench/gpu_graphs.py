@@ -23,7 +23,7 @@ from bench.gpu_setup import arguments as gpu_arguments
 from bench.gpu_setup import (PRESETS, WARMUP_STEPS, Setup, fresh, gpu_or_tiny, preset, process_group, sync,
                              training_data)
 from bench.gpu_timing import trainer
-from pipeline.training import distributed, graphs
+from pipeline.device import distributed, graphs
 from pipeline.training.loader import TrainingData
 
 MODES = ("eager", "compiled", "graphs")  # bench.gpu_timing's

@@ -33,7 +33,7 @@ from torch.profiler import ProfilerActivity, profile
 from bench.gpu_setup import arguments as gpu_arguments
 from bench.gpu_setup import PRESETS, gpu_or_tiny, preset, process_group, sync, training_data
 from bench.gpu_timing import timed, trainer
-from pipeline.training import distributed
+from pipeline.device import distributed
 
 WARMUP, TIMED = 6, 15
 GAP_US = 50  # idle gaps shorter than this are launch latency, not a stall

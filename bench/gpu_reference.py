@@ -10,8 +10,8 @@ from bench.gpu_timing import timed, trainer
 from model import flops as flops_lib
 from model.schedule import lrate
 from pipeline.corpus.formats import BOS_ID, EOS_ID
-from pipeline.training import compiled as compiled_lib
-from pipeline.training import distributed
+from pipeline.device import compiled as compiled_lib
+from pipeline.device import distributed
 from pipeline.training.loader import Batch, TrainingData
 from pipeline.training.optimizer import train_step
 

@@ -22,7 +22,7 @@ from pipeline.core import config
 from pipeline.core.config import BatchConfig, TrainConfig, TranslateConfig
 from pipeline.corpus import steps as steps_lib
 from pipeline.corpus.formats import ID_DTYPE, OFFSET_DTYPE, Ragged, split_paths
-from pipeline.training import distributed
+from pipeline.device import distributed
 from pipeline.training.loader import TrainingData
 from stages.batch import write_batches
 

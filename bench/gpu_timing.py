@@ -1,7 +1,7 @@
 """gpu-check's training lines: the train stage's Trainer.step timed per mode, and what ran inside (bench/gpu_check.py).
 
 Modes (train settings): eager; compiled (train.compile); graphs (train.cuda_graphs: the compiled layers replayed
-as CUDA graphs, pipeline/training/graphs.py).
+as CUDA graphs, pipeline/device/graphs.py).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from bench.gpu_kernels import Dynamo, attention_kernels, no_host_syncs, profiled
 from bench.gpu_setup import WARMUP_STEPS, Setup, digest, fresh, sync, training_data
 from pipeline.core.tracking import StageRun
 from pipeline.corpus import steps as division
-from pipeline.training import distributed, graphs
+from pipeline.device import distributed, graphs
 from pipeline.training.loader import TrainingData
 from pipeline.training.trainer import Trainer
 

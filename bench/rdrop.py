@@ -22,8 +22,8 @@ import torch
 from bench.train_throughput import default_configs, our_step, synthetic_batches, under_autocast
 from model.transformer import Transformer
 from pipeline.core import config
-from pipeline.training import attention, cpu_matmul
-from pipeline.training.precision import resolve
+from pipeline.device import attention, cpu_matmul
+from pipeline.device.precision import resolve
 
 FRACTIONS = (0.1, 0.25, 1.0)
 

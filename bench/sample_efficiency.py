@@ -35,14 +35,14 @@ from torch import nn
 from model.config import ModelConfig
 from model.transformer import FeedForward, MultiHeadAttention, Transformer
 from pipeline.core import config
-from pipeline.training import distributed
+from pipeline.device import distributed
 from pipeline.core.config import BatchConfig, TokenizeConfig, TrainConfig, TranslateConfig
 from pipeline.corpus.formats import load_spm, load_split, read_meta
 from pipeline.training.loader import TrainingData
 from pipeline.core.tracking import StageRun
 from pipeline.training.trainer import Trainer
 from stages import batch
-from pipeline.scoring import multi30k_bleu, read_lines, score
+from pipeline.translation.scoring import multi30k_bleu, read_lines, score
 from stages.translate import detokenize, translate_ids
 
 

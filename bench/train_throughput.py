@@ -24,7 +24,7 @@ batch.max_tokens = 2500, one batch per step.
 Both run in one process, alternating rounds of `--steps` timed steps (after one
 warm-up step each) so that load from other programs hits both alike, with the
 matrix products the default's train.cpu_matmul resolves to on this CPU (the run's
-Precision, pipeline/training/precision.py: fp32 by oneDNN or torch's BLAS for the
+Precision, pipeline/device/precision.py: fp32 by oneDNN or torch's BLAS for the
 default) and the attention kernels that go with them, for both; ours as the preset
 trains it (R-Drop's cost: bench.rdrop). Reported: real target tokens per second, and MFU = analytic
 training FLOPs (model.flops.training_flops on real tokens) / (best round's time x
@@ -54,12 +54,12 @@ from model.loss import SmoothedLoss
 from model.positions import sinusoidal_encoding
 from model.transformer import Transformer
 from pipeline.core import config
-from pipeline.training import attention, distributed
+from pipeline.device import attention, distributed
 from pipeline.core.config import TrainConfig
 from pipeline.corpus.formats import PAD_ID, Ragged
 from pipeline.training.loader import Batch, collate
 from pipeline.training.optimizer import build_optimizer, train_step
-from pipeline.training.precision import Precision, resolve
+from pipeline.device.precision import Precision, resolve
 from pipeline.corpus.batching import make_batches
 
 VOCAB = 8000

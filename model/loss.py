@@ -50,7 +50,7 @@ def real_rows(hidden: Tensor, labels: Tensor, pad_id: int, tokens: int) -> tuple
 def low_precision(device: torch.device) -> torch.dtype | None:
     """The low precision (bf16 / fp16) autocast runs matrix products in on `device` here, None where it is off.
 
-    (Not pipeline.training.distributed.autocast_dtype, which picks the precision a device trains in.)
+    (Not pipeline.device.distributed.autocast_dtype, which picks the precision a device trains in.)
     """
     if torch.is_autocast_enabled(device.type):
         dtype = torch.get_autocast_dtype(device.type)

@@ -5,7 +5,7 @@
 Reads params `average` (AverageConfig). Sec. 6.1: "For the base models, we used
 a single model obtained by averaging the last 5 checkpoints ... For the big
 models, we averaged the last 20 checkpoints." The parameter-wise mean of the
-newest `last_n` complete checkpoints (pipeline/averaging.py: exact in float64,
+newest `last_n` complete checkpoints (pipeline/weights/averaging.py: exact in float64,
 so `last_n: 1` returns the newest weights bit for bit; checkpoints that do not
 belong together are refused, naming the files).
 
@@ -22,7 +22,7 @@ from dataclasses import asdict
 import torch
 
 from pipeline.core import cli, config, tracking
-from pipeline.averaging import average_checkpoints
+from pipeline.weights.averaging import average_checkpoints
 from pipeline.core.config import AverageConfig
 from pipeline.core.files import atomic_dir, write_json
 

@@ -10,7 +10,7 @@ numbers to compare across papers) and `bleu_tokenized` (the paper's number,
 tensor2tensor's get_ende_bleu.sh); on Multi30k (`data.name` multi30k) also
 `bleu_lc_norm_tok`, the multimodal-MT papers' BLEU on the dataset's
 lowercased, normalised, Moses-tokenized text (not sacreBLEU: a figure to set
-beside those papers'). pipeline/scoring.py says how each is computed.
+beside those papers'). pipeline/translation/scoring.py says how each is computed.
 
 metrics/eval.json is flat: the test set under plain keys (bleu, chrf,
 bleu_tokenized, [bleu_lc_norm_tok,] signature, chrf_signature), the dev set
@@ -33,7 +33,7 @@ from pipeline.core import cli, config, tracking
 from pipeline.core.config import DataConfig, EvaluateConfig
 from pipeline.core.files import write_json
 from pipeline.corpus.formats import DECODED_SPLITS
-from pipeline.scoring import multi30k_bleu, read_pair, score
+from pipeline.translation.scoring import multi30k_bleu, read_pair, score
 
 log = logging.getLogger(__name__)
 

@@ -38,7 +38,7 @@ def export(args, cfg: ExportConfig, translate: TranslateConfig) -> dict:
     from pipeline.export.check import MIN_IDENTICAL_FP32, compare
     from pipeline.export.engine import Ctranslate2Engine, default_threads
     from pipeline.export.spec import ExportError, write_ctranslate2
-    from pipeline.scoring import read_lines
+    from pipeline.translation.scoring import read_lines
     from pipeline.weights.checkpoint import load_checkpoint, load_model
 
     threads = default_threads()

@@ -6,14 +6,14 @@
 Reads params `model` (ModelConfig), `train` (TrainConfig) and `batch.max_tokens`.
 With train.devices > 1 the command checks the params and inputs, then starts
 that many processes as `torchrun --standalone --nproc_per_node=<devices> -m
-stages.train ...` does (pipeline.training.distributed.launch), so that a failure ends
+stages.train ...` does (pipeline.device.distributed.launch), so that a failure ends
 with the failing process's message rather than torchrun's report; running that
 torchrun command directly works too, and so does torchrun on each of N nodes:
 
     torchrun --nnodes=N --nproc_per_node=<devices> --rdzv_backend=c10d --rdzv_endpoint=HOST:PORT \
         --rdzv_id=RUN -m stages.train ...          # docs/multi_node.md, "Running it"
 
-Before training it logs the precision this machine resolves (pipeline/training/precision.py: the
+Before training it logs the precision this machine resolves (pipeline/device/precision.py: the
 CPU's class or the GPU, and how train.cpu_matmul forces another). Every rank checks that it holds
 rank 0's params, data and precision (params_hash); a
 collective that fails or waits past train.timeout_minutes (a node died or
@@ -36,12 +36,12 @@ import torch
 
 from model.config import ModelConfig
 from pipeline.core import cli, config, tracking
-from pipeline.training import distributed
+from pipeline.device import distributed
 from pipeline.core.config import BatchConfig, TrainConfig
 from pipeline.core.files import write_json
 from pipeline.training.loader import TrainingData
 from pipeline.training.params import params_hash
-from pipeline.training.precision import resolve
+from pipeline.device.precision import resolve
 from pipeline.training.trainer import Trainer
 
 log = logging.getLogger(__name__)

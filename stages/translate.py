@@ -9,7 +9,7 @@ encoded source ids (data/tokenized/{split}.{src}, plus EOS) are sorted longest
 first and cut into batches of at most `max_tokens` padded source tokens and
 at most max_tokens // beam_size sentences (so that the decoder's beam_size rows
 per sentence stay within max_tokens rows too); each batch is one batched beam
-search (model/beam_search.py; pipeline/decoding.py). Outputs go back to the original order, are
+search (model/beam_search.py; pipeline/translation/decoding.py). Outputs go back to the original order, are
 detokenized with the sentencepiece model, and written (both splits at once,
 atomically) as data/translations/{split}.{tgt}: line i translates source line i.
 An empty source line (or one that encodes to no pieces) is not decoded: its
@@ -17,7 +17,7 @@ translation is an empty line, in the files and on stdout. data/raw is read only 
 splits still match it line for line.
 
 Precision: translate.precision, auto = fp32 on every device (bf16 weights decoded slower than fp32 on the GPU
-measured; pipeline/decoding.py), or fp32 / bf16 / fp16 forced, the weights cast to it once (decoding_precision);
+measured; pipeline/translation/decoding.py), or fp32 / bf16 / fp16 forced, the weights cast to it once (decoding_precision);
 recorded as the MLflow param `decode_precision` and in the log.
 
 Engine: translate.engine (or --engine) ctranslate2 decodes with the export stage's CTranslate2 model (data/export)
@@ -61,14 +61,14 @@ from pipeline.core.files import InputError, atomic_dir, count_lines, write_text
 
 log = logging.getLogger(__name__)
 
-# The project's decoder (pipeline/decoding.py, with torch), imported where first used: the ctranslate2 engine's
+# The project's decoder (pipeline/translation/decoding.py, with torch), imported where first used: the ctranslate2 engine's
 # --stdin never imports torch (start-up in a fraction of a second).
 _DECODING = ("decoding_precision", "decoding_batches", "parallel_searches", "torch_threads", "translate_ids")
 
 
 def __getattr__(name: str):
     if name in _DECODING:
-        from pipeline import decoding
+        from pipeline.translation import decoding
 
         return getattr(decoding, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -144,8 +144,8 @@ def project_decoder(args: argparse.Namespace, cfg: TranslateConfig) -> tuple[Dec
     """The project's beam search on the averaged model (data/model): (decode, sentencepiece, precision)."""
     import torch
 
-    from pipeline import decoding
-    from pipeline.training import attention
+    from pipeline.translation import decoding
+    from pipeline.device import attention
     from pipeline.weights.checkpoint import load_model
 
     if "OMP_NUM_THREADS" not in os.environ:  # an explicit setting wins

@@ -27,9 +27,9 @@ def _private_tracking_store(tmp_path, monkeypatch):
 @pytest.fixture(autouse=True)
 def _torchs_products_after():
     """A train stage run in the test's process sets its CPU products for the process (oneDNN's on a CPU with AVX-512
-    and without AMX, pipeline/training/cpu_matmul.py): each test leaves torch's BLAS and default attention behind."""
+    and without AMX, pipeline/device/cpu_matmul.py): each test leaves torch's BLAS and default attention behind."""
     yield
-    from pipeline.training import attention, cpu_matmul
+    from pipeline.device import attention, cpu_matmul
 
     cpu_matmul.use("fp32")
     with pytest.MonkeyPatch.context() as env:  # whatever the test left in TRANSFORMER_SDPA_BACKENDS: CPUs ignore it
@@ -40,7 +40,7 @@ def _torchs_products_after():
 @pytest.fixture
 def one_thread(monkeypatch):
     """In-process training on one thread, as each process a test starts (pinned to one core): the same sums."""
-    from pipeline.training import distributed
+    from pipeline.device import distributed
 
     monkeypatch.setattr(distributed, "available_cores", lambda: 1)
     threads = torch.get_num_threads()
@@ -50,7 +50,7 @@ def one_thread(monkeypatch):
 
 @pytest.fixture(autouse=True, scope="session")
 def _private_peak_cache(tmp_path_factory):
-    """Training's peak FLOP/s cache (pipeline/training/peak.py) lives under XDG_CACHE_HOME: one for the session, not ~/.cache."""
+    """Training's peak FLOP/s cache (pipeline/device/peak.py) lives under XDG_CACHE_HOME: one for the session, not ~/.cache."""
     before = os.environ.get("XDG_CACHE_HOME")
     os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg_cache"))
     yield

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pipeline.training import peak
+from pipeline.device import peak
 
 XEON = ("processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Processor\ncpu MHz\t\t: 2500.000\n"
         "flags\t\t: fpu sse2 avx fma avx2 avx512f avx512_bf16 amx_bf16 amx_tile amx_int8\n")

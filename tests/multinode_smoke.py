@@ -44,7 +44,7 @@ def start_node(root: Path, params: Path, node: int, port: int, nnodes: int = 2, 
 
     Node 0 hosts the rendezvous store (is_host=1), as the node named by --rdzv_endpoint does on a cluster.
     GLOO_SOCKET_IFNAME=lo: every "node" is on this machine, so rank 0's loopback address is reachable
-    (pipeline/training/distributed.py, check_reachable); a test may pass another value in `env`.
+    (pipeline/device/distributed.py, check_reachable); a test may pass another value in `env`.
     """
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", "--nproc_per_node=1",
            "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=smoke",

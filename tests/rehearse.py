@@ -221,7 +221,7 @@ def run_stages(repo: Path, env: dict[str, str], logs: Path) -> Usage:
 def train_one_process(repo: Path, params: dict, out: Path, env: dict[str, str], logs: Path) -> Usage:
     """The train stage with train.devices=1 on the pipeline's data/batches; checkpoints in out/checkpoints.
 
-    On one thread (OMP_NUM_THREADS=1), as each of the 8 processes ran (pipeline/training/distributed.py gives each
+    On one thread (OMP_NUM_THREADS=1), as each of the 8 processes ran (pipeline/device/distributed.py gives each
     cores // 8, at least 1): the same kernels, and no threads spinning at a busy machine's barriers.
     """
     # micro-batches of 200 padded tokens: the memory of one of the 8 processes' shares

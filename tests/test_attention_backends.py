@@ -1,4 +1,4 @@
-"""pipeline/training/attention.py: the SDPA backends chosen on CUDA, their override, and the train log's line.
+"""pipeline/device/attention.py: the SDPA backends chosen on CUDA, their override, and the train log's line.
 
 No GPU here: the backend flags and priority order are process-wide settings that exist on a CPU build too, so
 entering the CUDA choice shows what it sets; on a CPU nothing is set.
@@ -15,7 +15,7 @@ from mlflow.tracking import MlflowClient
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pipeline.core.config import ParamsError
-from pipeline.training import attention, distributed
+from pipeline.device import attention, distributed
 from stages import train
 from tests.train_fixtures import stage_args, write_corpus, write_params
 

@@ -12,7 +12,7 @@ import yaml
 
 from model.config import ModelConfig
 from model.transformer import Transformer
-from pipeline import averaging
+from pipeline.weights import averaging
 from stages import average
 from pipeline.weights.checkpoint import save_checkpoint
 from tests.translation_fixtures import one_thread, shared_store, store  # noqa: F401 (fixtures)

@@ -28,9 +28,9 @@ import yaml
 
 from model.config import ModelConfig
 from model.transformer import Transformer
-from pipeline.training import distributed
+from pipeline.device import distributed
 from pipeline.corpus import fetch
-from pipeline import scoring
+from pipeline.translation import scoring
 from pipeline.core import tracking
 from stages import average, batch, download, evaluate, train, translate
 from pipeline.weights.checkpoint import CheckpointError, load_checkpoint, load_model, save_checkpoint, sidecar

@@ -6,7 +6,7 @@ import re
 import torch
 
 from bench import rdrop
-from pipeline.training.precision import resolve
+from pipeline.device.precision import resolve
 
 
 def test_bench_rdrop_times_each_fraction_asked_for_under_the_chosen_products(capsys):

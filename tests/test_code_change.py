@@ -88,9 +88,9 @@ def changed_stages(repo: Path) -> set[str]:
     ("pipeline/corpus/fetch.py", {"download", "translate"}),  # translate reads stdin by rawtext's rule
     ("pipeline/corpus/subwords.py", {"tokenize"}),
     ("pipeline/corpus/batching.py", {"batch", "train"}),  # train pads to batching's length buckets
-    ("pipeline/averaging.py", {"average"}),
+    ("pipeline/weights/averaging.py", {"average"}),
     ("model/beam_search.py", {"export", "translate"}),  # export checks its model against our greedy search
-    ("pipeline/scoring.py", {"evaluate", "export"}),  # export scores both engines' greedy outputs
+    ("pipeline/translation/scoring.py", {"evaluate", "export"}),  # export scores both engines' greedy outputs
     ("tools/inspect_data.py", set()),  # a view: no stage imports it
 ])
 def test_an_edit_changes_only_the_stages_that_import_the_file(trained, path, stages):

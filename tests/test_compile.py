@@ -1,6 +1,6 @@
 """train.compile: compiled layers train like eager ones, keep the checkpoint format, resume, and fall back to eager.
 
-Compiled here with backend aot_eager ($TRANSFORMER_COMPILE_BACKEND, pipeline/training/compiled.py): dynamo
+Compiled here with backend aot_eager ($TRANSFORMER_COMPILE_BACKEND, pipeline/device/compiled.py): dynamo
 captures the layers and AOT autograd builds their forward and backward graphs, as with inductor, but runs them
 with aten kernels instead of building C++ (minutes on a shared 2-core CPU). The fallback is made to happen for
 real: an unknown backend (torch.compile refuses it) and a backend whose compiler raises (dynamo's own failure).
@@ -20,7 +20,7 @@ from model.config import ModelConfig
 from model.transformer import Transformer
 from pipeline.core.config import TrainConfig
 from pipeline.core.tracking import StageRun
-from pipeline.training import compiled, distributed
+from pipeline.device import compiled, distributed
 from pipeline.training.loader import TrainingData
 from pipeline.training.trainer import Trainer
 from pipeline.weights.checkpoint import load_model

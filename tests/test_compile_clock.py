@@ -14,7 +14,7 @@ import torch._dynamo.callback as dynamo_callback
 from model.config import ModelConfig
 from pipeline.core.config import TrainConfig
 from pipeline.core.tracking import StageRun
-from pipeline.training import compiled, distributed
+from pipeline.device import compiled, distributed
 from pipeline.training.loader import TrainingData
 from pipeline.training.trainer import Trainer
 from tests.train_fixtures import MODEL, TRAIN, write_corpus

@@ -12,8 +12,8 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from pipeline.core.config import ParamsError
-from pipeline.training import attention, cpu_matmul, distributed, peak
-from pipeline.training.precision import of_choice
+from pipeline.device import attention, cpu_matmul, distributed, peak
+from pipeline.device.precision import of_choice
 from tests.cpu_fixtures import AUTOCAST, BF16, EPYC, ONEDNN, SKYLAKE, XEON, ZEN, as_cpu
 from tests.train_fixtures import final_weights, stage_args, write_corpus, write_params
 

@@ -1,4 +1,4 @@
-"""train.cuda_graphs (pipeline/training/graphs.py) on a CPU: what a CPU can show of a CUDA-only setting.
+"""train.cuda_graphs (pipeline/device/graphs.py) on a CPU: what a CPU can show of a CUDA-only setting.
 
 A CUDA graph replays one recorded shape: the stream of micro-batches must come in a bounded set of shapes, the one
 the batch stage counts (metrics/batch.json: num_shapes), each recorded once. The step's freedom from host syncs is
@@ -16,7 +16,7 @@ import torch
 from bench import gpu_setup
 from pipeline.core.config import ParamsError
 from pipeline.core.tracking import StageRun
-from pipeline.training import compiled, distributed, graphs
+from pipeline.device import compiled, distributed, graphs
 from pipeline.training.trainer import Trainer
 from stages import train
 from tests.train_fixtures import stage_args, write_corpus, write_params

@@ -17,7 +17,7 @@ from bench import gpu_check
 from model.config import ModelConfig
 from pipeline.core.config import TrainConfig
 from pipeline.core.tracking import StageRun
-from pipeline.training import distributed
+from pipeline.device import distributed
 from pipeline.training.loader import TrainingData
 from pipeline.training.optimizer import zero_grads
 from pipeline.training.trainer import Trainer

@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from model.beam_search import beam_search
 from pipeline.core.config import ParamsError, TranslateConfig, parse
-from pipeline.training import distributed
+from pipeline.device import distributed
 from stages import translate
 from tests.beam_fixtures import BOS, EOS, V, sources, tiny_model
 

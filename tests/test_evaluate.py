@@ -12,7 +12,7 @@ from pathlib import Path
 import mlflow
 import pytest
 
-from pipeline import scoring
+from pipeline.translation import scoring
 from stages import evaluate
 from tests.evaluate_fixtures import HYPS, REFS, run
 from tests.translation_fixtures import shared_store, store  # noqa: F401 (fixtures)

@@ -35,7 +35,7 @@ import pytest
 import torch
 import yaml
 
-from pipeline.training import distributed
+from pipeline.device import distributed
 from pipeline.weights import faults
 from pipeline.corpus import fetch
 from pipeline.core import tracking

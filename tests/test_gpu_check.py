@@ -20,7 +20,7 @@ from bench import gpu_check, gpu_decode, gpu_kernels, gpu_setup, gpu_timing
 from pipeline.core import config
 from pipeline.core.tracking import StageRun
 from pipeline.corpus import steps
-from pipeline.training import compiled, distributed
+from pipeline.device import compiled, distributed
 from pipeline.training.trainer import Trainer
 from pipeline.weights import fingerprint
 from pipeline.weights.checkpoint import resume_point

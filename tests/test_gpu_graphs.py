@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from bench import gpu_graphs
-from pipeline.training import compiled
+from pipeline.device import compiled
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

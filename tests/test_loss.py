@@ -305,7 +305,7 @@ def whole_logits_validation(model, batches, autocast) -> dict[str, float]:
 
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["fp32", "bf16 autocast"])
 def test_validation_computes_the_loss_chunked_and_equals_the_whole_logits(tmp_path, monkeypatch, dtype):
-    from pipeline.training import distributed
+    from pipeline.device import distributed
     from pipeline.training.validation import validate
 
     monkeypatch.setattr(loss_lib.ProjectedSmoothedLoss, "CHUNK", 4)

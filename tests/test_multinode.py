@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from model.config import ModelConfig
-from pipeline.training import distributed
+from pipeline.device import distributed
 from pipeline.core.config import BatchConfig, ParamsError, TrainConfig
 from pipeline.training.params import params_hash
-from pipeline.training.precision import resolve
+from pipeline.device.precision import resolve
 from stages import train
 from tests.multinode_smoke import (TOLERANCE, final_weights, free_port, max_difference, node_processes,
                                    run_one_process, start_two_nodes)

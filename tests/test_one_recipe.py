@@ -14,9 +14,9 @@ from mlflow.tracking import MlflowClient
 from model import rdrop
 from model.config import ModelConfig
 from pipeline.core.config import BatchConfig, ParamsError, TrainConfig
-from pipeline.training import cpu_matmul
+from pipeline.device import cpu_matmul
 from pipeline.training.params import params_hash
-from pipeline.training.precision import of_choice, resolve
+from pipeline.device.precision import of_choice, resolve
 from pipeline.weights.checkpoint import complete_checkpoints
 from tests.cpu_fixtures import AUTOCAST, EPYC, XEON, ZEN, as_cpu
 from tests.train_fixtures import MODEL, TRAIN, final_weights, run_stage, write_corpus, write_params

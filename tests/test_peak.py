@@ -1,4 +1,4 @@
-"""pipeline/training/peak.py: a stable MFU denominator, cached per machine, recorded with its source, never below the run."""
+"""pipeline/device/peak.py: a stable MFU denominator, cached per machine, recorded with its source, never below the run."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import logging
 import pytest
 import torch
 
-from pipeline.training import peak
-from pipeline.training.distributed import Dist
-from pipeline.training.peak import Peak
+from pipeline.device import peak
+from pipeline.device.distributed import Dist
+from pipeline.device.peak import Peak
 from tests.cpu_fixtures import EPYC
 
 CPU = Dist(0, 1, 0, torch.device("cpu"))

@@ -18,7 +18,7 @@ import torch
 from model.config import ModelConfig
 from model.loss import SmoothedLoss
 from model.transformer import Transformer
-from pipeline.training import distributed
+from pipeline.device import distributed
 from pipeline.core.config import TrainConfig
 from pipeline.training.loader import Prefetcher, TrainingData, collate
 from pipeline.training.optimizer import build_optimizer, train_step

@@ -10,7 +10,7 @@ import torch
 from pipeline.corpus import steps
 from pipeline.corpus.batching import make_batches, padding_stats
 from pipeline.core.config import TrainConfig, compose, parse
-from pipeline.training.distributed import Dist
+from pipeline.device.distributed import Dist
 from pipeline.training.records import Progress
 from pipeline.training.trainer import Trainer
 

@@ -25,7 +25,7 @@ from model import loss as loss_lib
 from model.config import ModelConfig
 from pipeline.core.config import TrainConfig
 from pipeline.core.tracking import StageRun
-from pipeline.training import distributed
+from pipeline.device import distributed
 from pipeline.training.loader import TrainingData
 from pipeline.training.optimizer import build_optimizer, train_step
 from pipeline.training.trainer import Trainer

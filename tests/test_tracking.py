@@ -19,7 +19,7 @@ import torch
 import yaml
 from mlflow.tracking import MlflowClient
 
-from pipeline.training import distributed
+from pipeline.device import distributed
 from pipeline.core import lineage, signals, tracking
 from stages import evaluate, train
 from tests.http_fixtures import FileServer

@@ -24,7 +24,7 @@ from model import loss as loss_lib
 from model.schedule import lrate
 from model.config import ModelConfig
 from model.transformer import Transformer
-from pipeline.training import distributed, peak
+from pipeline.device import distributed, peak
 from pipeline.training import trainer as trainer_lib
 from pipeline.corpus import steps
 from pipeline.core.files import write_json

@@ -29,7 +29,7 @@ from sacrebleu.metrics import BLEU, CHRF
 from sacrebleu.significance import PairedTest
 
 from pipeline.core import cli, tracking
-from pipeline.scoring import read_pair
+from pipeline.translation.scoring import read_pair
 
 class CompareError(ValueError):
     """The runs cannot be compared; the message says which run and why."""

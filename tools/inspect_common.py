@@ -15,7 +15,7 @@ from matplotlib.figure import Figure
 from pipeline.core import config
 from pipeline.core.config import DataConfig, ParamsError
 from pipeline.corpus.formats import read_meta
-from pipeline.scoring import read_lines
+from pipeline.translation.scoring import read_lines
 from pipeline.core.files import CHUNK_LINES, InputError, read_chunks, write_bytes
 
 T = TypeVar("T")

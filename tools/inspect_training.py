@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from pipeline.core import config
-from pipeline.averaging import AverageError, select_checkpoints
+from pipeline.weights.averaging import AverageError, select_checkpoints
 from pipeline.weights.checkpoint import is_complete, step_files
 from pipeline.weights.fingerprint import changed_files, code_fingerprint, code_hash
 from pipeline.core.config import AverageConfig

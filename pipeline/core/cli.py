@@ -72,7 +72,7 @@ def _fail(stage: str, what: str, message: str, status: int) -> NoReturn:
     if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
         raise
     line = f"{stage}: {what}: {message}"
-    if error_file := os.environ.get(ERROR_FILE_ENV):  # torchrun's format; pipeline.training.distributed.launch prints it last
+    if error_file := os.environ.get(ERROR_FILE_ENV):  # torchrun's format; pipeline.device.distributed.launch prints it last
         Path(error_file).write_text(json.dumps({"message": line, "timestamp": int(time.time())}))
     logging.shutdown()  # flush the log lines before the last one
     print(line, file=sys.stderr, flush=True)

@@ -156,10 +156,10 @@ class TrainConfig:
     seed: int = field(metadata=SEED)
     # a collective (all-reduce, broadcast) waiting this long fails the run: a node died or froze
     timeout_minutes: float = field(metadata={"range": "(0, inf)"})
-    # torch.compile the encoder and decoder layers (pipeline/training/compiled.py); eager if compiling fails
+    # torch.compile the encoder and decoder layers (pipeline/device/compiled.py); eager if compiling fails
     compile: bool = field(metadata={})
     # the compiled layers replayed as CUDA graphs (torch.compile mode="reduce-overhead", a graph per shape:
-    # pipeline/training/graphs.py); CUDA GPUs only
+    # pipeline/device/graphs.py); CUDA GPUs only
     cuda_graphs: bool = field(default=False, metadata={})
     # padded tokens per micro-batch (a process's share of a step split by rows: pipeline/training/plan.py);
     # 0 = from the device: the whole share on a CPU, what fits the memory on a GPU
@@ -174,8 +174,8 @@ class TrainConfig:
     # a CPU's matrix products: fp32 (the paper's; by oneDNN on AVX-512 without AMX, else torch's BLAS), blas (fp32 by
     # torch's BLAS), bf16 products with fp32 weights (on AMX tiles, or under autocast on AVX-512 BF16), auto (bf16
     # where the CPU has AMX or AVX-512 BF16, else fp32) or autocast (bf16 autocast on AVX-512 BF16 without AMX, else
-    # fp32); GPUs ignore it (pipeline/training/cpu_matmul.py). How a step computes, never what it trains: the run's
-    # Precision (pipeline/training/precision.py) is recorded and hashed
+    # fp32); GPUs ignore it (pipeline/device/cpu_matmul.py). How a step computes, never what it trains: the run's
+    # Precision (pipeline/device/precision.py) is recorded and hashed
     cpu_matmul: str = field(default="fp32", metadata={"choices": ("auto", "fp32", "blas", "bf16", "autocast")})
 
 
@@ -193,7 +193,7 @@ class TranslateConfig:
     max_len_b: int = field(metadata={"range": "[0, inf)"})
     max_tokens: int = field(metadata={"range": "[1, inf)"})  # source tokens per decoding batch
     engine: str = field(default="project", metadata={"choices": ("project", "ctranslate2")})  # or the export's model
-    # the project engine's weights: auto (fp32 on every device, measured never slower: pipeline/decoding.py), or forced
+    # the project engine's weights: auto (fp32 on every device, measured never slower: pipeline/translation/decoding.py), or forced
     precision: str = field(default="auto", metadata={"choices": ("auto", "fp32", "bf16", "fp16")})
 
 

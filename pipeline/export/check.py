@@ -21,9 +21,9 @@ from torch.nn.utils.rnn import pad_sequence
 from model.transformer import Transformer
 from pipeline.core.config import TranslateConfig
 from pipeline.corpus.formats import BOS_ID, EOS_ID, PAD_ID
-from pipeline.decoding import translate_ids
+from pipeline.translation.decoding import translate_ids
 from pipeline.export.engine import Ctranslate2Engine
-from pipeline.lengths import max_source_len
+from pipeline.translation.lengths import max_source_len
 
 MIN_IDENTICAL_FP32 = 0.995  # below this, a float32 export fails the stage
 MAX_TOKENS = 4000  # source tokens a batch, both engines (the default's translate.max_tokens; not read from params, so

@@ -4,7 +4,7 @@
     outputs = engine.translate_ids(sources, cfg)          # output ids (no BOS/EOS) per source, input order
     lines = engine.detokenize(outputs)
 
-The same tokenization (the export's copy of the sentencepiece model), the same source cut (pipeline/lengths.py),
+The same tokenization (the export's copy of the sentencepiece model), the same source cut (pipeline/translation/lengths.py),
 EOS appended to each source, the decoder starting from BOS, and an empty source line not decoded (its output is
 empty). How translate's params map onto CTranslate2's search:
 
@@ -35,7 +35,7 @@ import sentencepiece as spm
 from pipeline.core.config import TranslateConfig
 from pipeline.core.files import InputError
 from pipeline.corpus.formats import EOS_ID
-from pipeline.lengths import max_output_len, max_source_len
+from pipeline.translation.lengths import max_output_len, max_source_len
 
 SPM_NAME = "spm.model"  # beside model.bin (pipeline/export/spec.py writes it)
 

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from pipeline.core.config import TrainConfig
-from pipeline.training.distributed import Dist
+from pipeline.device.distributed import Dist
 from pipeline.training.loader import Batch
 
 
@@ -67,7 +67,7 @@ def train_step(loss_model: nn.Module, optimizer: torch.optim.Optimizer, micro: l
 def zero_grads(optimizer: torch.optim.Optimizer, loss_model: nn.Module) -> None:
     """Clear the gradients for the next step: in place under DDP, else dropped (no gradient memory between steps).
 
-    DDP (pipeline/training/distributed.py) keeps each gradient as a view of its all-reduce bucket
+    DDP (pipeline/device/distributed.py) keeps each gradient as a view of its all-reduce bucket
     (gradient_as_bucket_view); gradients set to None would make the reducer copy every fresh gradient into its
     bucket again each step, one gradient's copy and memory more. In place, the fused Adam's zero_grad zeroes them
     with one multi-tensor call per device and dtype (torch's Optimizer.zero_grad; tests/test_ddp_compat.py).

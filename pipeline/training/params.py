@@ -4,7 +4,7 @@
 
 A checkpoint is resumed only by a run of the same params_hash (pipeline/weights/checkpoint.py, resume_point);
 the params in NOT_WEIGHT_SHAPING are left out, so changing one resumes the old run instead of restarting it.
-The precision the device resolved (pipeline/training/precision.py, its key) is in: a machine that computes
+The precision the device resolved (pipeline/device/precision.py, its key) is in: a machine that computes
 in another precision does not resume the run (pipeline/training/run_checkpoints.py says so and how to force one).
 """
 

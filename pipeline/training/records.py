@@ -21,9 +21,9 @@ from torch import nn
 
 from model import flops as flops_lib
 from pipeline.corpus import steps
-from pipeline.training.distributed import Dist
-from pipeline.training.peak import Peak
-from pipeline.training.precision import Precision
+from pipeline.device.distributed import Dist
+from pipeline.device.peak import Peak
+from pipeline.device.precision import Precision
 
 PLOT_COLUMNS = ("step", "loss", "lr", "tokens_per_second", "valid_ppl")
 TRACE_ENV = "STAGES_TRAIN_TRACE"

@@ -14,7 +14,7 @@ with the same weights as an uninterrupted one. A checkpoint of other code is set
 aside like one of other params, unless RESUME_ACROSS_CODE_CHANGE=1: then it is
 resumed and the crossing recorded (metrics code_changes, code_changed_at_step,
 code_changed_files). A checkpoint trained in another precision than this machine resolves
-(pipeline/training/precision.py) stops the run with one line naming both and how to force
+(pipeline/device/precision.py) stops the run with one line naming both and how to force
 one, moving nothing. Only rank 0 reads and writes checkpoints; it sends the one
 it resumes to every rank (other nodes need not see them), on another world size
 too when a step keeps its batches (params_hash; RNGs: restore_rank_rng).
@@ -28,8 +28,8 @@ from dataclasses import asdict
 
 from pipeline.core import signals
 from pipeline.core.config import ParamsError
-from pipeline.training import distributed
-from pipeline.training.precision import force_hint
+from pipeline.device import distributed
+from pipeline.device.precision import force_hint
 from pipeline.training.records import Progress
 from pipeline.weights import checkpoint as ckpt
 

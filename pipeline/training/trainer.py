@@ -22,7 +22,7 @@ Checkpoints every checkpoint_every steps and at the end, never by the clock, so
 the checkpoints average takes are the same on any hardware; on start the newest
 matching one is resumed exactly (run_checkpoints.py).
 Precision: one value resolved from the device and train.cpu_matmul (precision.py). train.compile compiles
-the encoder and decoder layers (pipeline/training/compiled.py: checkpoints unchanged); if compiling fails, the step is
+the encoder and decoder layers (pipeline/device/compiled.py: checkpoints unchanged); if compiling fails, the step is
 repeated eager and the run stays eager, with one warning. The next step's micro-batches are built in a background
 thread while this one trains (loader.Prefetcher).
 
@@ -51,16 +51,17 @@ from model.loss import SmoothedLoss
 from model.schedule import lrate
 from model.transformer import Transformer
 from pipeline.weights import checkpoint as ckpt
-from pipeline.training import attention, compiled, distributed, graphs, peak, plan, records
+from pipeline.device import attention, compiled, distributed, graphs, peak
+from pipeline.training import plan, records
 from pipeline.weights import faults, fingerprint
 from pipeline.core import tracking
 from pipeline.corpus import steps
 from pipeline.core.config import TrainConfig
-from pipeline.training.distributed import Dist
+from pipeline.device.distributed import Dist
 from pipeline.core.files import write_text
 from pipeline.training.loader import Prefetcher, TrainingData
 from pipeline.training.optimizer import build_optimizer, train_step, zero_grads
-from pipeline.training.precision import Precision, resolve
+from pipeline.device.precision import Precision, resolve
 from pipeline.training.records import plot_csv, trace, widen
 from pipeline.training.run_checkpoints import RunCheckpoints
 from pipeline.training.validation import validate

@@ -14,8 +14,8 @@ import torch
 
 from model.loss import projected_smoothed_and_nll, real_hidden
 from model.transformer import Transformer
-from pipeline.training import distributed
-from pipeline.training.distributed import Dist
+from pipeline.device import distributed
+from pipeline.device.distributed import Dist
 from pipeline.training.loader import Batch
 
 

@@ -21,9 +21,9 @@ from model.beam_search import Hypothesis, beam_search
 from model.transformer import Transformer
 from pipeline.core.config import ParamsError, TranslateConfig
 from pipeline.corpus.formats import BOS_ID, EOS_ID, PAD_ID
-from pipeline.lengths import max_source_len
+from pipeline.translation.lengths import max_source_len
 from pipeline.progress import progress_bar
-from pipeline.training import distributed
+from pipeline.device import distributed
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The device's peak FLOP/s, the denominator of MFU: a stable figure, recorded with where it came from.
 
-    python -m pipeline.training.peak      # measure this machine's peak now (best of ROUNDS) and raise the cached figure
+    python -m pipeline.device.peak      # measure this machine's peak now (best of ROUNDS) and raise the cached figure
 
 Sources, as `peak_flops_source` in metrics/train.json:
   nominal   a GPU in model.flops.PEAK_TFLOPS: its datasheet's dense peak at the
@@ -42,11 +42,11 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from model import flops as flops_lib
-from pipeline.training.distributed import Dist, autocast_dtype
+from pipeline.device.distributed import Dist, autocast_dtype
 from pipeline.core.files import write_json
 
 if TYPE_CHECKING:
-    from pipeline.training.precision import Precision
+    from pipeline.device.precision import Precision
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +171,7 @@ def nominal_cpu_peak(threads: int, text: str | None = None, products: str = "fp3
 
 def peak_flops(ctx: Dist, path: Path | None = None, precision: Precision | None = None) -> Peak:
     """This process's device peak: a GPU's datasheet figure, a CPU's nominal one, else the cached (or now measured)
-    matmul peak, at the run's `precision` (pipeline/training/precision.py, applied before this call; None: fp32 on a
+    matmul peak, at the run's `precision` (pipeline/device/precision.py, applied before this call; None: fp32 on a
     CPU, a GPU's autocast); the paper's estimate keeps the fp32 figure."""
     path = path or cache_path()
     products = precision.peak if precision else "fp32"

@@ -4,7 +4,7 @@
     recorded, pool_bytes = graphs.totals(ctx.device)   # what the run recorded (metrics/train.json)
 
 With train.cuda_graphs the encoder and decoder layers are compiled as with train.compile
-(pipeline/training/compiled.py: rows and lengths dynamic, one compile per layer class), in torch.compile's
+(pipeline/device/compiled.py: rows and lengths dynamic, one compile per layer class), in torch.compile's
 mode="reduce-overhead": inductor's CUDA-graph trees record each compiled graph once per distinct input shape and
 replay it from then on (one launch for a layer's hundreds of kernels). The batch stage bounds a run's shapes
 (metrics/batch.json: num_shapes; tests/test_graph_shapes.py), so the recordings are bounded too:
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.training import compiled
+from pipeline.device import compiled
 
 MODE = "reduce-overhead"
 MAX_SHAPES = 1024  # recordings before inductor warns: above the few hundred shapes of a WMT run

@@ -5,7 +5,7 @@
     cpu_matmul.use(choice)                                      # for the rest of this process (the flag is global)
     cpu_matmul.cpu_class()                                      # the CPU's model and the class that decides the choice
 
-A run takes these through its Precision (pipeline/training/precision.py), resolved once.
+A run takes these through its Precision (pipeline/device/precision.py), resolved once.
 
 Settings:
   fp32  the paper's precision: every product in fp32, by the fastest fp32 kernels measured on this CPU: oneDNN's
@@ -19,7 +19,7 @@ Settings:
         inputs and outputs bf16, by oneDNN's avx512_bf16 kernels (an AMD EPYC with AVX-512: about twice as
         fast a product as oneDNN's fp32, 1.18x the default's step). A CPU with neither fails with one line.
   auto  bf16 on a CPU with AMX or AVX-512 BF16, else what fp32 chooses; a GPU ignores the setting (it trains under
-        autocast: pipeline/training/precision.py).
+        autocast: pipeline/device/precision.py).
   autocast  bf16 autocast on a CPU with AVX-512 BF16 and without AMX, else what fp32 chooses (AMX's bf16 products
         cost the default valid BLEU: docs/results.md).
 
@@ -28,9 +28,9 @@ oneDNN computes a process's fp32 products only when torch's flag allows it bf16
 without it (oneDNN 3.x) its AVX-512 kernels keep them fp32. Where fp32 chooses oneDNN, one
 product is checked first: if oneDNN rounded it (another oneDNN, another CPU), the run keeps
 torch's BLAS and says so. Under oneDNN a CPU's attention runs torch's math kernel
-(pipeline/training/attention.py): there torch's flash kernel for CPUs is slower than the math
+(pipeline/device/attention.py): there torch's flash kernel for CPUs is slower than the math
 one, and slower than torch's BLAS (bench.cpu_matmul). The choice changes how a step computes,
-never what it trains: pipeline/training/precision.py turns it into the run's Precision, which
+never what it trains: pipeline/device/precision.py turns it into the run's Precision, which
 params_hash, metrics/train.json and MLflow record; the same machine with the same params and
 code trains the same weights. Speed and BLEU: docs/benchmarks.md, docs/results.md.
 """
@@ -44,8 +44,8 @@ from dataclasses import fields
 import torch
 
 from pipeline.core.config import ParamsError, TrainConfig
-from pipeline.training.peak import AMX_BF16_FLAG as AMX_FLAG, AVX512, AVX512_BF16_FLAG as AVX512_BF16, cpu_flags, cpuinfo
-from pipeline.training.peak import has_avx512_bf16 as avx512_bf16_in
+from pipeline.device.peak import AMX_BF16_FLAG as AMX_FLAG, AVX512, AVX512_BF16_FLAG as AVX512_BF16, cpu_flags, cpuinfo
+from pipeline.device.peak import has_avx512_bf16 as avx512_bf16_in
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ def choose(setting: str, device: torch.device, text: str | None = None) -> str:
 
 def use(choice: str) -> None:
     """Apply `choice` (one of CHOICES) to this process's CPU matrix products until the next call (torch's flag
-    is process-wide; pipeline/training/attention.py reads it)."""
+    is process-wide; pipeline/device/attention.py reads it)."""
     if choice not in CHOICES:
         raise ValueError(f"cpu_matmul.use: expected one of {', '.join(map(repr, CHOICES))}, got {choice!r}")
     if choice != "fp32":

@@ -6,7 +6,7 @@
     scaler = p.grad_scaler()                              # enabled for fp16 only
     p.key      # hashed into params_hash: "fp32", "bf16 products", "bf16 autocast" or "fp16 autocast"
     p.label    # `precision` of metrics/train.json and MLflow: the key and whose kernels compute it
-    p.peak     # the products' precision MFU is taken against: "fp32" or "bf16" (pipeline/training/peak.py)
+    p.peak     # the products' precision MFU is taken against: "fp32" or "bf16" (pipeline/device/peak.py)
     p.line()   # the line the train stage logs before training: the device class, the precision, how to force one
 
 The hardware may change how a step is computed, never what is trained: the
@@ -17,7 +17,7 @@ pipeline/training/run_checkpoints.py), its label in metrics/train.json and in
 MLflow's params. Kernels of one precision (fp32 by torch's BLAS or by oneDNN)
 only sum in another order, as torch.compile does: named in the label, not hashed.
 
-CPUs: train.cpu_matmul (pipeline/training/cpu_matmul.py chooses the kernels by
+CPUs: train.cpu_matmul (pipeline/device/cpu_matmul.py chooses the kernels by
 the CPU's flags). GPUs: bf16 autocast where the GPU has bf16 (compute
 capability 8.0+), fp16 autocast with a gradient scaler on 7.x, fp32 before
 (distributed.autocast_dtype); train.cpu_matmul does not apply.
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.training import cpu_matmul, distributed
+from pipeline.device import cpu_matmul, distributed
 
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 # A CPU choice (cpu_matmul.CHOICES): (key, label, autocast dtype, the products' precision for MFU)

@@ -86,7 +86,7 @@ def backend() -> str:
 
 def compile_layers(model: Transformer, mode: str | None = None) -> list[nn.Module]:
     """Compile every encoder and decoder layer of `model` in place, in torch.compile's `mode` (train.cuda_graphs:
-    pipeline/training/graphs.py); the layers compiled ([] and a warning on failure)."""
+    pipeline/device/graphs.py); the layers compiled ([] and a warning on failure)."""
     layers = [*model.encoder, *model.decoder]
     _clock.install()
     try:
@@ -127,7 +127,7 @@ def callback_arguments(handler: object) -> int:
         raise CompileClockError(
             f"train.compile: this torch ({torch.__version__}) calls dynamo's compile callbacks with "
             f"{' and '.join(map(str, sorted(counts)))} argument(s) (torch._dynamo.callback: run_start_callbacks, "
-            "run_end_callbacks); CompileClock (pipeline/training/compiled.py) takes none or one: teach it this "
+            "run_end_callbacks); CompileClock (pipeline/device/compiled.py) takes none or one: teach it this "
             "torch's callbacks, or set train.compile false")
     return counts.pop()
 

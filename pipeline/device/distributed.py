@@ -1,4 +1,4 @@
-"""Data-parallel plumbing for the train stage: processes, devices (their peak: pipeline/training/peak.py; which batches: pipeline/corpus/steps.py).
+"""Data-parallel plumbing for the train stage: processes, devices (their peak: pipeline/device/peak.py; which batches: pipeline/corpus/steps.py).
 
 torchrun sets RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE; without them
 (plain `python -m stages.train`) there is one process and no process group at
