@@ -91,7 +91,7 @@ def changed_stages(repo: Path) -> set[str]:
     ("pipeline/weights/averaging.py", {"average"}),
     ("model/beam_search.py", {"export", "translate"}),  # export checks its model against our greedy search
     ("pipeline/translation/scoring.py", {"evaluate", "export"}),  # export scores both engines' greedy outputs
-    ("tools/inspect_data.py", set()),  # a view: no stage imports it
+    ("tools/inspect/data.py", set()),  # a view: no stage imports it
 ])
 def test_an_edit_changes_only_the_stages_that_import_the_file(trained, path, stages):
     """`dvc status` after an edit lists exactly the stages whose command imports the edited file."""

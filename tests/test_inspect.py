@@ -111,7 +111,7 @@ def test_tokenized_reports_vocabulary_drops_and_the_lines_that_do_not_round_trip
 def test_raw_read_in_chunks_shows_the_same_and_names_a_bad_line_past_the_first_chunk(corpus, tmp_path, capsys,
                                                                                      monkeypatch):
     whole = inspect(capsys, corpus / "data" / "raw", tmp_path / "whole", "-n", "3")
-    monkeypatch.setattr("tools.inspect_common.CHUNK_LINES", 7)  # 152 lines: 22 chunks, the samples in three
+    monkeypatch.setattr("tools.inspect.common.CHUNK_LINES", 7)  # 152 lines: 22 chunks, the samples in three
     assert inspect(capsys, corpus / "data" / "raw", tmp_path / "chunks", "-n", "3") == whole.replace("whole", "chunks")
     raw = tmp_path / "raw"
     shutil.copytree(corpus / "data" / "raw", raw)
@@ -128,8 +128,8 @@ def test_tokenized_checks_the_first_pairs_of_a_split_over_the_limit_and_counts_p
         return out[out.index("most frequent pieces") : out.index("sample train pairs")]
 
     whole = inspect(capsys, corpus / "data" / "tokenized", tmp_path / "whole")
-    monkeypatch.setattr("tools.inspect_tokens.CHUNK_IDS", 7)
-    monkeypatch.setattr("tools.inspect_tokens.ROUND_TRIP_PAIRS", 151)  # train has 152 raw pairs; the 152nd: dropped
+    monkeypatch.setattr("tools.inspect.tokens.CHUNK_IDS", 7)
+    monkeypatch.setattr("tools.inspect.tokens.ROUND_TRIP_PAIRS", 151)  # train has 152 raw pairs; the 152nd: dropped
     out = inspect(capsys, corpus / "data" / "tokenized", tmp_path / "out")
     assert pieces(out) == pieces(whole)
     assert ("train: the first 151 of 152 raw pairs (at most 151 a split are re-encoded), 151 stored; 0 not stored; "
@@ -141,7 +141,7 @@ def test_tokenized_checks_the_first_pairs_of_a_split_over_the_limit_and_counts_p
     for lang, text in (("en", "One more line."), ("de", "Noch eine Zeile.")):
         with open(root / "raw" / f"train.{lang}", "a", encoding="utf-8") as f:
             f.write(text + "\n")
-    monkeypatch.setattr("tools.inspect_tokens.ROUND_TRIP_PAIRS", 152)
+    monkeypatch.setattr("tools.inspect.tokens.ROUND_TRIP_PAIRS", 152)
     out = inspect(capsys, root / "tokenized", tmp_path / "out2")
     assert ("train: the first 152 of 153 raw pairs (at most 152 a split are re-encoded), 151 stored; 1 not stored; "
             "every stored pair equals the raw text re-encoded") in out
@@ -154,7 +154,7 @@ def test_tokenized_with_an_id_past_the_vocabulary_names_the_file_and_the_id(corp
     ids = np.fromfile(tokenized / "train.de.ids", dtype=np.uint16)
     ids[-1] = 999  # the vocabulary has 60 pieces; the id is in the last of several slices
     ids.tofile(tokenized / "train.de.ids")
-    monkeypatch.setattr("tools.inspect_tokens.CHUNK_IDS", 100)
+    monkeypatch.setattr("tools.inspect.tokens.CHUNK_IDS", 100)
     err = fails(capsys, tokenized)
     assert "train.de.ids: holds id 999; expected ids below the vocabulary size 60" in err
 

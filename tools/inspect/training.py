@@ -13,7 +13,7 @@ from pipeline.weights.averaging import AverageError, select_checkpoints
 from pipeline.weights.checkpoint import is_complete, step_files
 from pipeline.weights.fingerprint import changed_files, code_fingerprint, code_hash
 from pipeline.core.config import AverageConfig
-from tools.inspect_common import InspectError, Options, params_or_reason, read_json, shown, table
+from tools.inspect.common import InspectError, Options, params_or_reason, read_json, shown, table
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from pipeline.core.config import TranslateConfig
 from pipeline.corpus.formats import DECODED_SPLITS, load_spm, load_split, read_meta
 from pipeline.core.files import write_text
 from pipeline.corpus.subwords import encode
-from tools.inspect_common import (InspectError, Options, figure, params_or_reason, read_json, save_png, shown,
+from tools.inspect.common import (InspectError, Options, figure, params_or_reason, read_json, save_png, shown,
                                   sibling, summary, table, text_languages, text_lines)
 
 log = logging.getLogger(__name__)

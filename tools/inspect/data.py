@@ -12,7 +12,7 @@ from pipeline.corpus.batching import model_lengths, padding_stats
 from pipeline.core.config import BatchConfig
 from pipeline.core.files import count_lines
 from pipeline.corpus.formats import BATCHED_SPLITS, SPLITS, Ragged, batch_paths, load_batches
-from tools.inspect_common import (InspectError, Options, figure, language_pair, length_histogram,
+from tools.inspect.common import (InspectError, Options, figure, language_pair, length_histogram,
                                   params_or_reason, save_png, scan_text, shown, sibling, spread, summary, table)
 
 BUCKET = 10  # tokens: batches are grouped by their longest sequence in buckets this wide

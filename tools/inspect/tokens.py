@@ -12,7 +12,7 @@ import sentencepiece as spm
 from pipeline.core.files import count_lines
 from pipeline.corpus.formats import ID_DTYPE, SPLITS, UNK_ID, Ragged, load_spm, load_split, read_meta, split_paths
 from pipeline.corpus.subwords import DROP_REASONS, encode
-from tools.inspect_common import (InspectError, Options, figure, length_histogram, read_json, save_png, shown,
+from tools.inspect.common import (InspectError, Options, figure, length_histogram, read_json, save_png, shown,
                                   scan_lines, sibling, spread, summary, table)
 
 log = logging.getLogger(__name__)

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Callable, TextIO
 
 from pipeline.core import cli
-from tools.inspect_common import TEXT_FILE, Options
+from tools.inspect.common import TEXT_FILE, Options
 
 log = logging.getLogger(__name__)
 
@@ -45,13 +45,13 @@ log = logging.getLogger(__name__)
 # A view's module is imported only when it is shown: torch alone takes 1.5 s to import, which the raw view
 # does not need.
 LAYOUTS: dict[str, tuple[str, str, str]] = {
-    "eval": ("tools.inspect_output", "show_eval", "eval.json (metrics/eval.json, or the directory holding it)"),
-    "tokenized": ("tools.inspect_tokens", "show_tokenized", "meta.json and spm.model (data/tokenized)"),
-    "batches": ("tools.inspect_data", "show_batches", "{split}.index.npy and {split}.bounds.npy (data/batches)"),
-    "checkpoints": ("tools.inspect_training", "show_checkpoints", "step_XXXXXXXX.pt files (data/checkpoints)"),
-    "model": ("tools.inspect_training", "show_model", "model.pt and averaged.json (data/model)"),
-    "raw": ("tools.inspect_data", "show_raw", "train/valid/test.<lang> text files (data/raw)"),
-    "translations": ("tools.inspect_output", "show_translations",
+    "eval": ("tools.inspect.output", "show_eval", "eval.json (metrics/eval.json, or the directory holding it)"),
+    "tokenized": ("tools.inspect.tokens", "show_tokenized", "meta.json and spm.model (data/tokenized)"),
+    "batches": ("tools.inspect.data", "show_batches", "{split}.index.npy and {split}.bounds.npy (data/batches)"),
+    "checkpoints": ("tools.inspect.training", "show_checkpoints", "step_XXXXXXXX.pt files (data/checkpoints)"),
+    "model": ("tools.inspect.training", "show_model", "model.pt and averaged.json (data/model)"),
+    "raw": ("tools.inspect.data", "show_raw", "train/valid/test.<lang> text files (data/raw)"),
+    "translations": ("tools.inspect.output", "show_translations",
                      "valid/test.<lang> text files and no train.* (data/translations)"),
 }
 def detect(path: Path) -> str | None:
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"inspect: {one_line(e)}", file=sys.stderr)
         return 1
     if args.mlflow_run:
-        from tools.inspect_mlflow import log_view_artifacts
+        from tools.inspect.to_mlflow import log_view_artifacts
 
         try:
             log_view_artifacts(args.mlflow_run, layout, opts.out, text.getvalue())
@@ -151,7 +151,3 @@ class Tee(io.TextIOBase):
     def flush(self) -> None:
         for stream in self.streams:
             stream.flush()
-
-
-if __name__ == "__main__":
-    sys.exit(main())
