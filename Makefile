@@ -32,9 +32,9 @@ bench: install
 	$(BIN)/python -m bench.decode
 
 # the house as drawn: imports down the floors (tools, bench -> stages -> pipeline -> model), no cycles, no code file
-# over 400 lines, no test module importing another (tests/test_layout.py, part of make test)
+# over 400 lines, no test module importing another (tests/project/test_layout.py, part of make test)
 check-layout: install
-	$(BIN)/python -m pytest -q tests/test_layout.py
+	$(BIN)/python -m pytest -q tests/project/test_layout.py
 
 inspect: install
 	$(BIN)/python -m tools.inspect $(P)

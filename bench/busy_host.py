@@ -19,7 +19,7 @@ browser tab or another job would take a core) and stops it after.
   passive    OMP_WAIT_POLICY=PASSIVE: no spinning at all.
 
 Same weights in every setting (the threads split the work the same way; only
-their waiting differs: tests/test_train.py). Printed: tokens/s per round and
+their waiting differs: tests/training/test_train.py). Printed: tokens/s per round and
 setting, then each setting's median as a ratio of the default's, quiet and busy.
 """
 

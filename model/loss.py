@@ -12,7 +12,7 @@ are chunked the same way, without gradients (projected_smoothed_and_nll).
 R-Drop (train.rdrop_alpha > 0, model/rdrop.py) is the exception: its KL term
 needs both passes' whole distributions, so SmoothedLoss then builds the
 [2N, V] logits. Nothing here reads a tensor's value or copies a Python number
-to the device: a GPU step never waits on the host (tests/test_step_syncs.py).
+to the device: a GPU step never waits on the host (tests/training/test_step_syncs.py).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ Starts two torchrun processes as two nodes would (`--nnodes=2
 gloo) on the tiny synthetic corpus of tests/train_fixtures.py, then the same
 params in one process (gradient accumulation 2: the same 48 tokens per step),
 and prints as its last line `max |w_2node - w_1proc| = X`; exits 1 when X
-exceeds TOLERANCE. tests/test_multinode.py runs the same functions.
+exceeds TOLERANCE. tests/device/test_multinode.py runs the same functions.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A rehearsal of the first GPU day, on a CPU: the wmt14_en_de_base preset through all seven stages, 8 processes.
 
     make rehearse                       # python -m tests.rehearse [--workdir DIR]
-    python -m tests.rehearse --small    # the tiny model, as tests/test_rehearse.py runs it
+    python -m tests.rehearse --small    # the tiny model, as tests/bench/test_rehearse.py runs it
 
 The real pipeline in a temporary git + DVC repo (tests/pipeline_fixtures.py):
 params.yaml composed from conf/ with `experiment=wmt14_en_de_base` and the

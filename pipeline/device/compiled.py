@@ -25,7 +25,7 @@ layers share one, the decoder's another) then serves every shape with at least
 2 rows and lengths of at least 2; no graph is built per step. Not compiling with
 dynamic=True: that makes every dimension duck-sized, and the first batch's
 coincidences (rows = source length, source length = target length) became
-guards, so the next shape without them built a second graph (tests/test_compile.py).
+guards, so the next shape without them built a second graph (tests/device/test_compile.py).
 A dimension of exactly 1 is specialised by torch (a size-1 dimension may
 broadcast): a micro-batch of 1 row (a step's last rows split over the GPUs),
 a length of 1 (an empty validation line), is a graph of its own, built once:

@@ -9,7 +9,7 @@ mode="reduce-overhead": inductor's CUDA-graph trees record each compiled graph o
 replay it from then on (one launch for a layer's hundreds of kernels). The batch stage bounds a run's shapes
 (metrics/batch.json: num_shapes; tests/test_graph_shapes.py), so the recordings are bounded too:
 inductor's warning past its default of 8 shapes is lifted to that bound. The embedding, the loss and Adam stay
-eager. A graph records only what runs on the device: the step reads nothing back from it (tests/test_step_syncs.py).
+eager. A graph records only what runs on the device: the step reads nothing back from it (tests/training/test_step_syncs.py).
 
 CUDA only: the train stage refuses it on a CPU (no CUDA graphs there); elsewhere (bench.gpu_check --tiny on a CPU,
 a backend other than inductor in tests) the layers compile as with train.compile and nothing is recorded.

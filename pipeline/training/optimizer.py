@@ -70,6 +70,6 @@ def zero_grads(optimizer: torch.optim.Optimizer, loss_model: nn.Module) -> None:
     DDP (pipeline/device/distributed.py) keeps each gradient as a view of its all-reduce bucket
     (gradient_as_bucket_view); gradients set to None would make the reducer copy every fresh gradient into its
     bucket again each step, one gradient's copy and memory more. In place, the fused Adam's zero_grad zeroes them
-    with one multi-tensor call per device and dtype (torch's Optimizer.zero_grad; tests/test_ddp_compat.py).
+    with one multi-tensor call per device and dtype (torch's Optimizer.zero_grad; tests/device/test_ddp_compat.py).
     """
     optimizer.zero_grad(set_to_none=not isinstance(loss_model, DistributedDataParallel))

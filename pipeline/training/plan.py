@@ -25,7 +25,7 @@ weights, their gradients and Adam's moments (16 bytes a parameter):
   CPU bf16 autocast, their growth from 8 to 16 rows of 32 tokens (what does not
   grow with the tokens, the weights' bf16 casts and the loss's weight gradient,
   drops out), fits within 3% on small and base and 11% on the tiny test model
-  (tests/test_plan.py holds it to the measurement). What is saved: each
+  (tests/training/test_plan.py holds it to the measurement). What is saved: each
   attention's q, k, v and output in bf16 and its log-sum-exp (the flash and
   memory-efficient kernels keep no L x L scores), the fp32 residual stream and
   LayerNorm inputs, the bf16 inputs of the matrix products, one [tokens, d_ff]
@@ -35,7 +35,7 @@ weights, their gradients and Adam's moments (16 bytes a parameter):
   dropped [tokens, d_ff] tensor as well: 3 bytes more a unit of d_ff on a GPU.
   Base (d_model 512, d_ff 2048, 6 + 6 layers): 0.25 MiB a token; big: 0.51 MiB.
   So an 80 GB GPU takes the presets' step (27400 padded tokens) in one
-  micro-batch, a 16 GB one base in 1 and big in 2 (tests/test_plan.py). It is
+  micro-batch, a 16 GB one base in 1 and big in 2 (tests/training/test_plan.py). It is
   an estimate of what is saved, not of the peak (the backward's transient
   buffers and the loss's chunks sit in the 20% left over): where a device runs
   out of memory, set train.micro_batch_tokens.
@@ -57,7 +57,7 @@ MEMORY_SHARE = 0.8  # of the device's memory the plan fills; the rest: allocator
 STATE_BYTES = 16  # a parameter: fp32 weight, gradient, and Adam's two moments
 RDROP_LOGIT_BYTES = 12  # R-Drop, a token and vocabulary entry: fp32 log-probability, its exp (the KL), its gradient
 # Saved bytes a padded token per layer, under autocast: per unit of d_model, and per unit of d_ff (one bf16
-# [tokens, d_ff] tensor a feed-forward); measured (module docstring, tests/test_plan.py).
+# [tokens, d_ff] tensor a feed-forward); measured (module docstring, tests/training/test_plan.py).
 ENCODER_BYTES_PER_D_MODEL = 26
 DECODER_BYTES_PER_D_MODEL = 45
 BYTES_PER_D_FF = 2

@@ -9,7 +9,7 @@ A file's digest is the sha256 of its syntax tree with docstrings removed
 comments, docstrings, blank lines or layout leaves it unchanged, an edit to
 what the code does changes it. Each checkpoint records the fingerprint of the
 code that trained it; a resume across a different fingerprint is a code change
-(pipeline/weights/checkpoint.py, resume_point). tests/test_dvc_deps.py uses the same
+(pipeline/weights/checkpoint.py, resume_point). tests/project/test_dvc_deps.py uses the same
 walk to check that dvc.yaml's deps follow the imports.
 """
 

@@ -1,7 +1,7 @@
 """The house as drawn: imports go down the floors (tools and bench -> stages -> pipeline -> model), no module imports
 itself back through others, no code file outside tests/ passes 400 lines, and no test module imports another.
 
-    python -m pytest -q tests/test_layout.py      # (or make check-layout) the floors, the cycles, the sizes
+    python -m pytest -q tests/project/test_layout.py      # (or make check-layout) the floors, the cycles, the sizes
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FLOORS = {"model": 0, "pipeline": 1, "stages": 2, "bench": 3, "tools": 3}  # a module imports its floor and below
 MAX_LINES = 400
 

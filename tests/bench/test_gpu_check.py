@@ -3,7 +3,7 @@
 What a GPU adds (NCCL instead of gloo, autocast bf16, inductor, memory) cannot run here; everything else does:
 the presets' settings, each mode's fresh corpus through the batch stage, the process group of one and DDP, the
 prefetch thread, train.compile, train.cuda_graphs (compiled as train.compile: no CUDA graphs off CUDA) and the
-compiled reference step (dynamo with TRANSFORMER_COMPILE_BACKEND=eager or aot_eager, as tests/test_compile.py), the
+compiled reference step (dynamo with TRANSFORMER_COMPILE_BACKEND=eager or aot_eager, as tests/device/test_compile.py), the
 checkpoint it saves, decoding in the translate stage's precision and every printed line.
 """
 

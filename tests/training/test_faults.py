@@ -4,9 +4,9 @@
   (pipeline/weights/faults.py, TRANSFORMER_FAULT), in `python -m stages.train` and inside
   `dvc repro`: the re-run resumes and ends with the same weights as a run never killed.
 - Truncated, corrupt or unsealed checkpoints: skipped with a warning naming them,
-  never averaged (also tests/test_checkpoint.py, test_train.py, test_average.py).
+  never averaged (also tests/training/test_checkpoint.py, test_train.py, test_average.py).
 - A download cut part-way resumes where it stopped, in the same run
-  (tests/test_download.py) and in the next one; a file whose sha256 differs is
+  (tests/corpus/test_download.py) and in the next one; a file whose sha256 differs is
   refused and deleted (test_download.py::test_checksum_mismatch_is_refused_and_the_file_deleted).
 - A full disk (ENOSPC, from the kernel's /dev/full) in every stage: a clear
   error naming the file, and the previous outputs byte for byte.

@@ -2,7 +2,7 @@
 
 A CUDA graph replays one recorded shape: the stream of micro-batches must come in a bounded set of shapes, the one
 the batch stage counts (metrics/batch.json: num_shapes), each recorded once. The step's freedom from host syncs is
-tests/test_step_syncs.py's; the recording itself needs a GPU (make gpu-check, its "graphs" line).
+tests/training/test_step_syncs.py's; the recording itself needs a GPU (make gpu-check, its "graphs" line).
 """
 
 from __future__ import annotations

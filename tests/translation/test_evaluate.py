@@ -17,7 +17,7 @@ from stages import evaluate
 from tests.evaluate_fixtures import HYPS, REFS, run
 from tests.translation_fixtures import shared_store, store  # noqa: F401 (fixtures)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SACREBLEU = Path(sys.executable).parent / "sacrebleu"
 
 

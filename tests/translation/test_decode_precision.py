@@ -1,7 +1,7 @@
 """stages.translate.decoding_precision: translate.precision, the weights cast once (auto: fp32 on every device).
 
 A GPU with bf16 is pretended on the CPU (distributed.autocast_dtype patched): CPUs run bf16 kernels too, so the
-cast and the decoding in it are exercised here; the stage's own CPU run stays fp32 (tests/test_translate.py).
+cast and the decoding in it are exercised here; the stage's own CPU run stays fp32 (tests/translation/test_translate.py).
 """
 
 from __future__ import annotations

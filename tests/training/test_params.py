@@ -21,7 +21,7 @@ import yaml
 
 from pipeline.core.config import FORMATS, SECTIONS, ParamsError, compose
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEFAULT = compose([])
 BAD_STRING = "../ Not valid"  # no format accepts it: a space, capitals, '..'
 

@@ -16,7 +16,7 @@ import yaml
 from tests.http_fixtures import FileServer
 from tests.pipeline_fixtures import VENV_BIN, dvc, dvc_run, git_commit, make_repo, tiny_params, use_preset, write_corpus
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 MAKEFILE = (ROOT / "Makefile").read_text(encoding="utf-8")
 

@@ -24,7 +24,7 @@ from pipeline.corpus.formats import load_spm, load_split
 from tests.translation_fixtures import TEST_EN, TRANSLATE, VALID_EN, make_corpus, save_model, write_params
 from tests.translation_fixtures import one_thread, shared_store, store  # noqa: F401 (fixtures)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CFG = TranslateConfig(**TRANSLATE)
 
 

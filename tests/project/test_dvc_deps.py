@@ -15,7 +15,7 @@ import yaml
 
 from pipeline.weights.fingerprint import PACKAGES, project_imports
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def stage_module(cmd: str) -> str:
@@ -99,7 +99,7 @@ def test_the_import_walk_finds_function_level_and_transitive_imports(tmp_path):
 def test_checkpoints_are_kept_out_of_the_cache_and_the_averaged_model_is_cached():
     """GBs of checkpoints are not copied into .dvc/cache; dvc.lock still hashes them, so average follows them.
 
-    tests/test_faults.py checks the same on a real `dvc repro` (slow).
+    tests/training/test_faults.py checks the same on a real `dvc repro` (slow).
     """
     stages = pipeline_stages()
     outs = {path: opts for out in stages["train"]["outs"] for path, opts in

@@ -27,7 +27,7 @@ from tests.export_fixtures import trained_model
 from tests.translation_fixtures import TEST_EN, TRANSLATE, make_corpus, sentence_pairs
 from tests.translation_fixtures import one_thread, shared_store, store  # noqa: F401 (fixtures)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 GREEDY = TranslateConfig(**{**TRANSLATE, "beam_size": 1, "length_penalty": 0.0})
 EXPORT = {"enabled": True, "quantization": "none", "check_lines": 0}
 

@@ -7,7 +7,7 @@ import yaml
 
 from pipeline.core.config import CONF_DIR, SECTIONS, ParamsError, compose, load, load_all, TrainConfig
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
 
 

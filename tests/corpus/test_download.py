@@ -25,7 +25,7 @@ from pipeline.core.config import ParamsError, load_all
 from tests.http_fixtures import FileServer
 from tests.translation_fixtures import shared_store, store  # noqa: F401 (fixtures: one MLflow store per module)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 TRAIN_EN = "".join(f"A dog number {i} runs across the green field.\n" for i in range(200))
 TRAIN_DE = "".join(f"Ein Hund Nummer {i} läuft über die grüne Wiese.\n" for i in range(200))
