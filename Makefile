@@ -27,9 +27,13 @@ test: install
 	$(BIN)/python -m pytest -q
 
 bench: install
-	$(BIN)/python -m bench.data_scale
-	$(BIN)/python -m bench.train_throughput
-	$(BIN)/python -m bench.decode
+	$(BIN)/python -m bench.data.scale
+	$(BIN)/python -m bench.data.shapes
+	$(BIN)/python -m bench.data.loader_host
+	$(BIN)/python -m bench.cpu.train_throughput
+	$(BIN)/python -m bench.cpu.matmul
+	$(BIN)/python -m bench.cpu.rdrop
+	$(BIN)/python -m bench.decoding.search
 
 # the house as drawn: imports down the floors (tools, bench -> stages -> pipeline -> model), no cycles, no code file
 # over 400 lines, no test module importing another (tests/project/test_layout.py, part of make test)
@@ -50,14 +54,14 @@ rehearse: install
 
 # base and big training steps and beam-4 decoding on the GPU (exits 0 saying so without CUDA)
 gpu-check: install
-	$(BIN)/python -m bench.gpu_check
+	$(BIN)/python -m bench.gpu.check
 
 gpu-profile: install
-	$(BIN)/python -m bench.gpu_profile
+	$(BIN)/python -m bench.gpu.profile
 
 # train.compile and train.cuda_graphs against eager over 600 steps of one corpus, in windows of 100
 gpu-graphs: install
-	$(BIN)/python -m bench.gpu_graphs --modes compiled graphs
+	$(BIN)/python -m bench.gpu.graphs --modes compiled graphs
 
 clean:
 	rm -rf $(VENV)

@@ -279,7 +279,7 @@ def projected_smoothed_loss(hidden: Tensor, weight: Tensor, targets: Tensor, lab
     ours computes its full chunks with the compiled fused_chunk (the last,
     shorter one eagerly, its rows rounded up to ROW_GRAIN: windows); on CPUs
     eagerly, chunk by chunk as before (compiled, a CPU gives other bits and no
-    speed: bench/loss.py).
+    speed: docs/benchmarks.md).
     """
     device, dtype = hidden.device, low_precision(hidden.device)
     with torch.autocast(device.type, enabled=False):  # the precision is chosen here, explicitly

@@ -1,11 +1,11 @@
-"""bench.rdrop: the step's time plain and with R-Drop on each share of rows asked for, under the products and
+"""bench.cpu.rdrop: the step's time plain and with R-Drop on each share of rows asked for, under the products and
 autocast that train.cpu_matmul picks on this CPU."""
 
 import re
 
 import torch
 
-from bench import rdrop
+from bench.cpu import rdrop
 from pipeline.device.precision import resolve
 
 

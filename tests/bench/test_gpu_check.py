@@ -1,4 +1,4 @@
-"""bench.gpu_check (make gpu-check) on a CPU: it times the train stage's own Trainer, so a break shows without a GPU.
+"""bench.gpu.check (make gpu-check) on a CPU: it times the train stage's own Trainer, so a break shows without a GPU.
 
 What a GPU adds (NCCL instead of gloo, autocast bf16, inductor, memory) cannot run here; everything else does:
 the presets' settings, each mode's fresh corpus through the batch stage, the process group of one and DDP, the
@@ -16,7 +16,11 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from bench import gpu_check, gpu_decode, gpu_kernels, gpu_setup, gpu_timing
+from bench.gpu import check as gpu_check
+from bench.harness import decoding as gpu_decode
+from bench.harness import kernels as gpu_kernels
+from bench.harness import gpu as gpu_setup
+from bench.harness import steps as gpu_timing
 from pipeline.core import config
 from pipeline.core.tracking import StageRun
 from pipeline.corpus import steps

@@ -1,4 +1,4 @@
-"""bench.gpu_graphs on a CPU: each mode trains the same batches in the same windows, and the totals add up."""
+"""bench.gpu.graphs on a CPU: each mode trains the same batches in the same windows, and the totals add up."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from bench import gpu_graphs
+from bench.gpu import graphs as gpu_graphs
 from pipeline.device import compiled
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -1,4 +1,4 @@
-"""bench.gpu_profile: the read of a profiler trace (busy share, idle gaps and the host op in each, time per
+"""bench.gpu.profile: the read of a profiler trace (busy share, idle gaps and the host op in each, time per
 kind) on a hand-made trace, and the whole read on a CPU with a tiny model."""
 
 import json
@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from bench.gpu_profile import kind, main, read_trace
+from bench.gpu.profile import kind, main, read_trace
 
 
 def event(name: str, cat: str, ts: float, dur: float) -> dict:
@@ -67,8 +67,8 @@ def test_tiny_read_times_the_step_and_keeps_a_trace_of_it(tmp_path, capsys):
 
 def test_every_preset_is_timed_before_any_profiler_runs(monkeypatch):
     # A profiler session can leave CUPTI attached and slow every later launch: no timed step may follow one.
-    import bench.gpu_profile as gpu_profile
-    from bench import gpu_timing
+    import bench.gpu.profile as gpu_profile
+    from bench.harness import steps as gpu_timing
 
     events: list[str] = []
 
@@ -87,7 +87,7 @@ def test_every_preset_is_timed_before_any_profiler_runs(monkeypatch):
 
 
 def test_timed_profiles_its_last_warm_up_step_only_where_asked(monkeypatch):
-    from bench import gpu_timing
+    from bench.harness import steps as gpu_timing
 
     calls = []
     real = gpu_timing.profiled

@@ -1,9 +1,9 @@
-"""bench.train_throughput measures the model that conf/ composes with the overrides it is given."""
+"""bench.cpu.train_throughput measures the model that conf/ composes with the overrides it is given."""
 
 import pytest
 import torch
 
-from bench.train_throughput import VOCAB, default_configs, our_step, synthetic_batches
+from bench.harness import VOCAB, default_configs, our_step, synthetic_batches
 from model.transformer import Transformer
 from pipeline.core.config import ParamsError
 

@@ -101,7 +101,7 @@ def test_use_holds_the_choice_for_the_process_once():
     attention.use(CUDA)
     held = flags()
     assert held[3] is False and held != torchs
-    attention.use(CUDA)  # a second Trainer in the process (bench.gpu_check): the same, entered once
+    attention.use(CUDA)  # a second Trainer in the process (bench.gpu.check): the same, entered once
     assert flags() == held and len(attention._process._exit_callbacks) == 1
 
 

@@ -192,7 +192,7 @@ def test_on_avx512_without_amx_onednns_products_keep_fp32():
 
 
 def test_the_matmul_bench_times_every_stored_batch_and_meets_each_shape_first_once(tmp_path):
-    from bench import cpu_matmul as bench
+    from bench.cpu import matmul as bench
     from pipeline.corpus.formats import load_batches
     tokenized, batches = write_corpus(tmp_path, n_train=60, max_len=9, max_tokens=30)
     vocab, distinct, epoch = bench.stream(5000, 1250, (tokenized, batches))
@@ -209,7 +209,7 @@ def test_the_matmul_bench_times_every_stored_batch_and_meets_each_shape_first_on
 
 
 def test_the_matmul_benchs_autocast_way_computes_in_bf16_and_leaves_fp32_after_it():
-    from bench import cpu_matmul as bench
+    from bench.cpu import matmul as bench
     a, b = torch.randn(8, 16), torch.randn(16, 8)
     with bench.way("fp32", autocast=True):
         assert (a @ b).dtype == torch.bfloat16
@@ -219,7 +219,7 @@ def test_the_matmul_benchs_autocast_way_computes_in_bf16_and_leaves_fp32_after_i
 
 
 def test_the_matmul_benchs_autocast_way_computes_in_bf16_and_leaves_fp32_after_it():
-    from bench import cpu_matmul as bench
+    from bench.cpu import matmul as bench
     a, b = torch.randn(8, 16), torch.randn(16, 8)
     with bench.way("autocast"):
         assert (a @ b).dtype == torch.bfloat16

@@ -13,7 +13,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from bench import gpu_setup
+from bench.harness import gpu as gpu_setup
 from pipeline.core.config import ParamsError
 from pipeline.core.tracking import StageRun
 from pipeline.device import compiled, distributed, graphs

@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from bench import gpu_check
+from bench.gpu import check as gpu_check
 from model.config import ModelConfig
 from pipeline.core.config import TrainConfig
 from pipeline.core.tracking import StageRun

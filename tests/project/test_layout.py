@@ -75,6 +75,13 @@ def test_no_module_imports_itself_back_through_others():
     assert cycles == []
 
 
+def test_benches_share_only_the_harness():
+    """A bench imports bench/harness/ and nothing of another bench; the harness imports no bench."""
+    crossing = [f"{module} imports {other}" for module, others in graph().items() if module.startswith("bench.")
+                for other in sorted(others) if other.startswith("bench.") and not other.startswith("bench.harness")]
+    assert crossing == []
+
+
 def test_no_code_file_outside_tests_passes_the_line_limit():
     long = {str(p.relative_to(ROOT)): n for p in code_files(*FLOORS) if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert long == {}

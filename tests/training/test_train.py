@@ -292,7 +292,7 @@ def test_two_runs_of_the_same_params_give_identical_weights(tmp_path):
 
 
 def test_libgomps_wait_settings_leave_the_weights_unchanged(tmp_path):
-    """dvc.yaml runs training with GOMP_SPINCOUNT set (bench/busy_host.py): how idle threads wait, never the result."""
+    """dvc.yaml runs training with GOMP_SPINCOUNT set (docs/benchmarks.md, "Training on a busy CPU"): how idle threads wait, never the result."""
     finals = []
     for run, extra in (("default", {}), ("spin", {"GOMP_SPINCOUNT": "10000"}), ("passive", {"OMP_WAIT_POLICY": "PASSIVE"})):
         write_corpus(tmp_path / run, n_train=64, max_tokens=96)

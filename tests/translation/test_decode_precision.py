@@ -85,7 +85,7 @@ def test_auto_decodes_in_fp32_where_training_runs_bf16_and_a_setting_forces_anot
 
 
 def test_the_precision_bench_decodes_the_same_model_in_fp32_and_bf16_and_scores_both(tmp_path, capsys):
-    from bench import decode_precision
+    from bench.decoding import precision as decode_precision
     from tests.translation_fixtures import make_corpus, save_model
 
     raw, tokenized = make_corpus(tmp_path)

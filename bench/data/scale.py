@@ -1,9 +1,9 @@
 """Data-scale benchmark: the tokenize and batch stages on a WMT14-sized corpus, and batching on Multi30k.
 
-    python -m bench.data_scale [--pairs 4500000] [--mirror DIR (default: $CORPUS_MIRROR, else ../shared/mirror)] [--work DIR]
+    python -m bench.data.scale [--pairs 4500000] [--mirror DIR (default: $CORPUS_MIRROR, else ../shared/mirror)] [--work DIR]
                                [--input-sentence-size N (default: the preset's)] [--experiment wmt14_en_de_base]
 
-    python -m bench.data_scale --pairs 36000000 --experiment wmt14_en_fr_big   # the en-fr size
+    python -m bench.data.scale --pairs 36000000 --experiment wmt14_en_fr_big   # the en-fr size
 
 1. Synthesizes `--pairs` aligned pairs from the mirror's real text (Multi30k
    train, newstest2013, newstest2014: about 35k pairs). Each synthetic pair

@@ -1,6 +1,6 @@
 """Decoding speed and BLEU: the CTranslate2 export, float32 and int8, against the project's decoder, in one run.
 
-    python -m bench.export [--model data/model --tokenized data/tokenized --raw data/raw] [--split test]
+    python -m bench.decoding.export [--model data/model --tokenized data/tokenized --raw data/raw] [--split test]
                            [--sentences N] [--rounds 1] [--threads N] [--penalties]
 
 The same averaged model, the same sources (the split's encoded lines, the first N with --sentences) and the

@@ -1,7 +1,7 @@
 """Distinct batch shapes and padding by length bucket, on the default corpus and a WMT-sized stand-in; the
 micro-batch plan of the paper's presets for an 80 GB and a 16 GB GPU.
 
-    python -m bench.shapes [--tokenized data/tokenized] [--pairs 4500000]
+    python -m bench.data.shapes [--tokenized data/tokenized] [--pairs 4500000]
 
 A GPU pays some costs once per distinct micro-batch shape (cuDNN attention
 plans, compiled graphs, CUDA graphs): batch.length_bucket_step pads lengths to
@@ -13,7 +13,7 @@ holds, for
   - the default preset's train split (`--tokenized`, the tokenize stage's
     output: run `dvc repro tokenize` first) at its batch.max_tokens, and
   - a WMT14-sized stand-in of `--pairs` pairs whose lengths are sums of
-    m ~ Geometric(0.55) Multi30k pairs (as bench/data_scale.py joins sentences:
+    m ~ Geometric(0.55) Multi30k pairs (as bench/data/scale.py joins sentences:
     mean ~28 tokens a side, a long tail), at 8 x 3300 exact-length batches (the
     real tokens a step the presets aim at) and at the presets' one batch a step.
 Targets (issue figures): a few hundred shapes at most, padding efficiency >= 0.95.

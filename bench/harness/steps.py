@@ -1,4 +1,4 @@
-"""gpu-check's training lines: the train stage's Trainer.step timed per mode, and what ran inside (bench/gpu_check.py).
+"""gpu-check's training lines: the train stage's Trainer.step timed per mode, and what ran inside (bench/gpu/check.py).
 
 Modes (train settings): eager; compiled (train.compile); graphs (train.cuda_graphs: the compiled layers replayed
 as CUDA graphs, pipeline/device/graphs.py).
@@ -15,8 +15,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.gpu_kernels import Dynamo, attention_kernels, no_host_syncs, profiled
-from bench.gpu_setup import WARMUP_STEPS, Setup, digest, fresh, sync, training_data
+from bench.harness.kernels import Dynamo, attention_kernels, no_host_syncs, profiled
+from bench.harness import sync
+from bench.harness.gpu import WARMUP_STEPS, Setup, digest, fresh, training_data
 from pipeline.core.tracking import StageRun
 from pipeline.corpus import steps as division
 from pipeline.device import distributed, graphs

@@ -1,10 +1,10 @@
 """R-Drop's cost on this CPU: the default's training step plain, with a share of each batch's rows passing twice
 (train.rdrop_fraction 0.1, 0.25) and with every row twice (1.0).
 
-    python -m bench.rdrop [--steps 12] [--rounds 4] [--threads 2] [--alpha 12.5] [--fractions 0.1 0.25 1.0]
+    python -m bench.cpu.rdrop [--steps 12] [--rounds 4] [--threads 2] [--alpha 12.5] [--fractions 0.1 0.25 1.0]
                           [--cpu-matmul auto]
 
-The step as bench.train_throughput times it (pipeline.training.optimizer.train_step, synthetic 1250-token batches of
+The step as bench.cpu.train_throughput times it (pipeline.training.optimizer.train_step, synthetic 1250-token batches of
 the default's shapes and vocabulary, the products and attention kernels the train stage picks on this CPU for the
 default's train.cpu_matmul or for --cpu-matmul, under autocast where that choice trains so), the same starting weights
 for each way, the ways alternating in the same rounds so that load from other programs hits all alike; each way warmed
@@ -15,11 +15,10 @@ plain step's, against 1 + fraction, the passes a pair takes (model/rdrop.py): th
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
-from bench.train_throughput import default_configs, our_step, synthetic_batches, under_autocast
+from bench.harness import alternate, default_configs, our_step, over, synthetic_batches, under_autocast
 from model.transformer import Transformer
 from pipeline.core import config
 from pipeline.device import attention, cpu_matmul
@@ -50,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     shapes = {(*b.src.shape, b.tgt_in.shape[1]) for b in timed}
     warm = next((b for b in batches[args.steps:] if (*b.src.shape, b.tgt_in.shape[1]) not in shapes), None)
     if warm is None:
-        raise SystemExit("bench.rdrop: no batch of a shape the timed steps lack to warm up on: lower --steps")
+        raise SystemExit("bench.cpu.rdrop: no batch of a shape the timed steps lack to warm up on: lower --steps")
     tokens = sum(b.tokens for b in timed)
     ways = {"plain": setting}
     ways.update({f"fraction {f}": [*setting, f"train.rdrop_alpha={args.alpha}", f"train.rdrop_fraction={f}"]
@@ -61,13 +60,8 @@ def main(argv: list[str] | None = None) -> None:
         torch.manual_seed(0)
         steps[name] = under_autocast(our_step(Transformer(cfg, vocab), train_cfg), precision)
         steps[name](warm)
-    best = {name: float("inf") for name in ways}
-    for _ in range(args.rounds):
-        for name, step in steps.items():
-            start = time.perf_counter()
-            for batch in timed:
-                step(batch)
-            best[name] = min(best[name], time.perf_counter() - start)
+    best = {name: min(times) for name, times in alternate({n: over(s, timed) for n, s in steps.items()},
+                                                          args.rounds).items()}
     for name in ways:
         passes = 1.0 if name == "plain" else 1 + float(name.split()[1])
         print(f"{name}: {tokens / best[name]:.0f} target tokens/s, step time {best[name] / best['plain']:.2f}x the "

@@ -1,12 +1,12 @@
 """gpu-check's reference line: the train stage's step at its simplest, one fixed-shape micro-batch, the whole loss
-under one torch.compile (bench/gpu_check.py)."""
+under one torch.compile (bench/gpu/check.py)."""
 
 from __future__ import annotations
 
 import torch
 
-from bench.gpu_setup import Setup, fresh
-from bench.gpu_timing import timed, trainer
+from bench.harness.gpu import Setup, fresh
+from bench.harness.steps import timed, trainer
 from model import flops as flops_lib
 from model.schedule import lrate
 from pipeline.corpus.formats import BOS_ID, EOS_ID

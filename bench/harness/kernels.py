@@ -1,5 +1,5 @@
 """What ran inside gpu-check's steps: the attention kernels (profiler kernel names), dynamo's graphs, graph breaks
-and recompiles, and host syncs (bench/gpu_check.py).
+and recompiles, and host syncs (bench/gpu/check.py).
 
     kinds = attention_kernels(names)   # {"flash": 48, "efficient": 96, ...} from CUDA kernel names
     with profiled(device) as names: step()     # the CUDA kernels one step ran (None off CUDA)

@@ -1,10 +1,10 @@
 """Where the eager GPU step waits: a profiler read of the train stage's Trainer.step, per preset.
 
-    python -m bench.gpu_profile [--models base big] [--steps 6] [--trace DIR]
+    python -m bench.gpu.profile [--models base big] [--steps 6] [--trace DIR]
 
-Per preset (gpu-check's setting, bench/gpu_setup.py: the preset's model, batch config and Trainer in
+Per preset (gpu-check's setting, bench/harness/gpu.py: the preset's model, batch config and Trainer in
 a process group of one, eager, on a fresh WMT-shaped corpus), after WARMUP steps:
-  timed    TIMED steps unprofiled, timed as gpu-check times them (bench.gpu_timing.timed):
+  timed    TIMED steps unprofiled, timed as gpu-check times them (bench.harness.steps.timed):
            milliseconds a step, target tokens/s; every preset is timed before any is profiled.
   busy     --steps steps under torch.profiler (a trainer of its own, after WARMUP steps): the share
            of the profiled span in which the GPU ran something (the union of its kernels, copies and
@@ -30,9 +30,10 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench.gpu_setup import arguments as gpu_arguments
-from bench.gpu_setup import PRESETS, gpu_or_tiny, preset, process_group, sync, training_data
-from bench.gpu_timing import timed, trainer
+from bench.harness import sync
+from bench.harness.gpu import arguments as gpu_arguments
+from bench.harness.gpu import gpu_or_tiny, preset, process_group, training_data
+from bench.harness.steps import timed, trainer
 from pipeline.device import distributed
 
 WARMUP, TIMED = 6, 15

@@ -1,10 +1,10 @@
 """train.cuda_graphs over a run's stream of shapes: does recording each shape once pay back in the replays after it?
 
-    python -m bench.gpu_graphs [--models base big] [--steps 600] [--window 100] [--json FILE]
+    python -m bench.gpu.graphs [--models base big] [--steps 600] [--window 100] [--json FILE]
 
 gpu-check times a few dozen steps of fresh shapes, where nearly every step records a graph; a run meets its
 bounded set of shapes (metrics/batch.json: num_shapes) again and again. Per preset (gpu-check's setting,
-bench/gpu_setup.py), the eager Trainer.step and the train.cuda_graphs one train the same fresh corpus, the same
+bench/harness/gpu.py), the eager Trainer.step and the train.cuda_graphs one train the same fresh corpus, the same
 batches in the same order, for gpu_setup's warm-up steps and then --steps steps timed in windows of --window:
 each window's target tokens/s with its compiling and recording in it (a run pays them), the CUDA graphs recorded
 so far and their pool's memory; then each mode's seconds for all the timed steps and the first window after
@@ -18,15 +18,16 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.gpu_kernels import Dynamo
-from bench.gpu_setup import arguments as gpu_arguments
-from bench.gpu_setup import (PRESETS, WARMUP_STEPS, Setup, fresh, gpu_or_tiny, preset, process_group, sync,
-                             training_data)
-from bench.gpu_timing import trainer
+from bench.harness.kernels import Dynamo
+from bench.harness import sync
+from bench.harness.gpu import arguments as gpu_arguments
+from bench.harness.gpu import (PRESETS, WARMUP_STEPS, Setup, fresh, gpu_or_tiny, preset, process_group,
+                                training_data)
+from bench.harness.steps import trainer
 from pipeline.device import distributed, graphs
 from pipeline.training.loader import TrainingData
 
-MODES = ("eager", "compiled", "graphs")  # bench.gpu_timing's
+MODES = ("eager", "compiled", "graphs")  # bench.harness.steps's
 
 
 def windows(s: Setup, data: TrainingData, ctx: distributed.Dist, mode: str, steps: int, window: int) -> list[dict]:

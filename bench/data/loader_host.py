@@ -1,9 +1,9 @@
 """The loader's host time a step at two corpus sizes: a step's data work must not grow with the corpus.
 
-    python -m bench.loader_host [--pairs 300000 4500000] [--steps 200] [--world 8]
+    python -m bench.data.loader_host [--pairs 300000 4500000] [--steps 200] [--world 8]
 
 For each size, a synthetic corpus of that many pairs with WMT14-like lengths
-(bench.train_throughput.synthetic_corpus: source ~ N(28, 14), at most 256
+(bench.cpu.train_throughput.synthetic_corpus: source ~ N(28, 14), at most 256
 tokens) is cut into the presets' batches (batch.max_tokens 27400,
 length_bucket_step 1.1: one stored batch a step, every `--world`-th row of it
 per GPU), and rank 0's data work of `--steps` steps is timed as the trainer
@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from bench.train_throughput import synthetic_corpus
+from bench.harness import synthetic_corpus
 from pipeline.corpus import steps
 from pipeline.corpus.batching import make_batches
 from pipeline.training.loader import TrainingData

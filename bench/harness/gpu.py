@@ -1,5 +1,5 @@
 """gpu-check's setting: a preset's model and training settings on this device, and fresh corpora through the batch
-stage (bench/gpu_check.py)."""
+stage (bench/gpu/check.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from bench.train_throughput import synthetic_corpus
+from bench.harness import synthetic_corpus
 from model.config import ModelConfig
 from pipeline.core import config
 from pipeline.core.config import BatchConfig, TrainConfig, TranslateConfig
@@ -77,11 +77,6 @@ def gpu_or_tiny(tool: str, nothing: str, tiny: bool) -> torch.device | None:
         return torch.device("cpu")
     print(f"{tool}: no CUDA GPU on this machine (torch.cuda.is_available() is False); nothing to {nothing}")
     return None
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def fresh(device: torch.device) -> None:

@@ -1,6 +1,6 @@
 """GPU check: the paper's base and big models trained and decoded by the stages' own code, beside a reference step.
 
-    make gpu-check     # python -m bench.gpu_check [--steps 50] [--sentences 400] [--no-compile] [--models base big]
+    make gpu-check     # python -m bench.gpu.check [--steps 50] [--sentences 400] [--no-compile] [--models base big]
 
 Per preset (wmt14_en_de_base, _big with train.devices=1: its model, vocabulary
 37000, batch config and train.tokens_per_step), each line runs WARMUP_STEPS
@@ -10,15 +10,15 @@ over pipeline.device.peak), peak memory.
   reference  the step at its simplest, printed first: a Trainer's model, loss
              (no DDP), Adam, autocast and attention kernels, the whole loss
              under one torch.compile, one fixed micro-batch of the step's
-             tokens, [tokens_per_step // 32, 32], all real (bench/gpu_reference.py).
+             tokens, [tokens_per_step // 32, 32], all real (bench/harness/reference.py).
   eager, compiled, graphs  the train stage's Trainer.step (train.compile off,
              on; train.cuda_graphs on) in a process group of one (DDP, prefetch
              thread) over its epoch order, each mode on a fresh synthetic corpus
              of its own (its own seed; WMT-like lengths, N(28, 14) tokens, at
              most 250; one epoch covers every step) written as the tokenize stage
              writes, batched by the batch stage's write_batches with the preset's
-             whole BatchConfig, read by TrainingData.load (bench/gpu_setup.py,
-             bench/gpu_timing.py). Each says "x of the reference" (its tokens/s
+             whole BatchConfig, read by TrainingData.load (bench/harness/gpu.py,
+             bench/harness/steps.py). Each says "x of the reference" (its tokens/s
              over the reference's); compiled and graphs also what dynamo did
              during the timed steps (graphs, graph breaks, recompiles and their
              reasons), graphs the CUDA graphs recorded and their pool's memory.
@@ -26,7 +26,7 @@ over pipeline.device.peak), peak memory.
              row parts of each batch rank 0 takes (pipeline/corpus/steps.py), without the gradient
              all-reduce; tokens/s and MFU per GPU beside the whole step's, and the preset's
              train.max_steps on that many GPUs predicted from it (compute only).
-Under each line, what ran inside (bench/gpu_kernels.py): the attention kernels
+Under each line, what ran inside (bench/harness/kernels.py): the attention kernels
 of the last warm-up step (profiler kernel names: flash, efficient, math, cudnn;
 CUDA only), and the host syncs of the timed steps, each caught by
 torch.cuda.set_sync_debug_mode("warn") (CUDA, all but graphs, whose recording
@@ -34,8 +34,8 @@ of each new shape synchronises): the steps run whole, and any sync fails the
 line. Then one
 Trainer.save's seconds, and beam-4 sentences/s of stages.translate.translate_ids
 with the model cast as the translate stage casts it (decoding_precision: fp32
-by default) and in the training precision (bf16 where the GPU has it), with bench.decode's EOS bias (outputs end
-near the source length) (bench/gpu_decode.py). A step that does not fit halves
+by default) and in the training precision (bf16 where the GPU has it), with bench.decoding.search's EOS bias (outputs end
+near the source length) (bench/harness/decoding.py). A step that does not fit halves
 batch.max_tokens, and the reference splits its micro-batch (both said).
 Exits 1, after every line, where training ran the math attention kernel on a
 GPU or a timed step synchronised. Without CUDA: one line, exit 0; --tiny runs it
@@ -52,13 +52,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.gpu_decode import time_decoding
-from bench.gpu_reference import fitting_reference
-from bench.gpu_setup import arguments as gpu_arguments
-from bench.gpu_setup import (PRESETS, VALID_PAIRS, WARMUP_STEPS, WMT_LONGEST, WMT_MEAN, WMT_SD, Setup, gpu_or_tiny,
+from bench.harness.decoding import time_decoding
+from bench.harness.reference import fitting_reference
+from bench.harness.gpu import arguments as gpu_arguments
+from bench.harness.gpu import (PRESETS, VALID_PAIRS, WARMUP_STEPS, WMT_LONGEST, WMT_MEAN, WMT_SD, Setup, gpu_or_tiny,
                              preset, process_group, stream)
-from bench.gpu_timing import MODES, fitting_training
-from bench.train_throughput import synthetic_corpus
+from bench.harness.steps import MODES, fitting_training
+from bench.harness import synthetic_corpus
 from model import flops as flops_lib
 from pipeline.device import distributed
 

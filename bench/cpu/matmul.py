@@ -1,9 +1,9 @@
 """A CPU's matrix products in training: torch's BLAS against oneDNN's fp32 or bf16 (train.cpu_matmul), in the
 default's step.
 
-    python -m bench.cpu_matmul [--steps 24] [--rounds 3] [--threads 2] [--batches data/batches]
+    python -m bench.cpu.matmul [--steps 24] [--rounds 3] [--threads 2] [--batches data/batches]
 
-The default's training step as bench.train_throughput times it (pipeline.training.optimizer.train_step, the
+The default's training step as bench.cpu.train_throughput times it (pipeline.training.optimizer.train_step, the
 default's model) on synthetic batches shaped like Multi30k's, with the default's vocabulary and
 batch.max_tokens, or with --batches on the batch stage's train batches (of `make run`, say), each way in a
 process of its own (a process that has run oneDNN's products runs torch's BLAS slower), the processes taking
@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from bench.train_throughput import default_configs, our_step, synthetic_corpus
+from bench.harness import alternate, default_configs, our_step, synthetic_corpus
 from model.transformer import Transformer
 from pipeline.core import config
 from pipeline.core.errors import PipelineError
@@ -139,10 +139,10 @@ def main(argv: list[str] | None = None) -> None:
         max_tokens = int(default["batch"]["max_tokens"])
         vocab, distinct, epoch = stream(int(default["tokenize"]["vocab_size"]), max_tokens, stored)
     except PipelineError as e:  # stored batches missing or unreadable: one line
-        raise SystemExit(f"bench.cpu_matmul: {e}") from None
+        raise SystemExit(f"bench.cpu.matmul: {e}") from None
     print(f"batches: {'the train batches in ' + str(args.batches) if stored else 'synthetic'}, vocabulary {vocab}")
     if args.rounds * args.steps > len(epoch):
-        raise SystemExit(f"bench.cpu_matmul: {args.rounds} rounds x {args.steps} steps is more than the "
+        raise SystemExit(f"bench.cpu.matmul: {args.rounds} rounds x {args.steps} steps is more than the "
                          f"{len(epoch)} batches of an epoch: lower --steps or --rounds")
     first_share = min(1.0, len(distinct) / train_cfg.max_steps)
     spawn = multiprocessing.get_context("spawn")
@@ -154,16 +154,19 @@ def main(argv: list[str] | None = None) -> None:
     try:
         for conn in conns.values():
             conn.recv()  # built: the ways take turns from here on
-        first, later = {}, {name: [] for name in ways}
+        first = {}
         for name, conn in conns.items():
             conn.send(None)
             first[name] = conn.recv()
             print(f"  {name:14s} first meeting of {len(distinct)} shapes: {1 / first[name]:6.0f} tok/s")
-        for r in range(args.rounds):
-            for name, conn in conns.items():
-                conn.send((r * args.steps, (r + 1) * args.steps))
-                later[name].append(conn.recv())
-                print(f"  round {r + 1} {name:14s} {1 / later[name][-1]:6.0f} tok/s")
+        rounds = iter(range(args.rounds * len(conns)))
+
+        def ask(conn) -> float:  # the worker times its own slice of the epoch: seconds a target token
+            r = next(rounds) // len(conns)
+            conn.send((r * args.steps, (r + 1) * args.steps))
+            return conn.recv()
+        later = alternate({name: (lambda conn=conn: ask(conn)) for name, conn in conns.items()}, args.rounds,
+                          lambda r, name, s: print(f"  round {r + 1} {name:14s} {1 / s:6.0f} tok/s"))
     finally:
         for conn in conns.values():
             with contextlib.suppress(OSError):  # a way that failed has said why and gone

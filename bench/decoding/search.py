@@ -1,6 +1,6 @@
 """Decoding speed: what the translate stage runs against the same search recomputing the whole prefix each step.
 
-    python -m bench.decode [--model data/model --tokenized data/tokenized [--raw data/raw]] [--sentences N]
+    python -m bench.decoding.search [--model data/model --tokenized data/tokenized [--raw data/raw]] [--sentences N]
                            [--rounds 2] [--threads N]
 
 Both sides call stages.translate.translate_ids, the translate stage's own
@@ -36,69 +36,22 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import torch
 from sacrebleu.metrics import BLEU
-from torch import Tensor, nn
+from torch import nn
 
 from model.config import ModelConfig
-from model.transformer import DecoderState, Transformer
+from bench.harness.decoding import EosNearSourceLength, multi30k_like_sources, timed
+from model.transformer import Transformer
 from pipeline.weights.checkpoint import load_model
 from pipeline.core.config import TranslateConfig, compose, parse
-from pipeline.corpus.formats import EOS_ID, load_spm, load_split, read_meta
+from pipeline.corpus.formats import load_spm, load_split, read_meta
 from pipeline.translation.scoring import printed, read_lines
 from stages.translate import detokenize, translate_ids
 
-log = logging.getLogger("bench.decode")
-
-
-class EosNearSourceLength(nn.Module):
-    """A Transformer whose EOS logit is raised by slope x (t - S_i) at output position t (see the docstring).
-
-    Both decoding paths get the same bias: `decode_step` knows t from the state;
-    `decode` appends the bias of every position as one extra hidden column, which
-    `project` removes and adds to the EOS logit.
-    """
-
-    def __init__(self, model: Transformer, slope: float):
-        super().__init__()
-        self.model, self.slope = model, slope
-        self.pad_id, self.max_positions, self.embedding = model.pad_id, model.max_positions, model.embedding
-
-    def encode(self, src: Tensor) -> tuple[Tensor, Tensor]:
-        return self.model.encode(src)
-
-    def init_state(self, memory: Tensor, src_mask: Tensor, beams: int) -> DecoderState:
-        return self.model.init_state(memory, src_mask, beams)
-
-    def _bias(self, t: Tensor, src_len: Tensor) -> Tensor:
-        """slope x (t - S) for t [R, T] output positions (1 = first token) and source lengths S [R]."""
-        return self.slope * (t - src_len[:, None])
-
-    def decode_step(self, tokens: Tensor, state: DecoderState) -> tuple[Tensor, DecoderState]:
-        logits, state = self.model.decode_step(tokens, state)
-        src_len = state.src_bias.isfinite().sum(dim=(1, 2, 3))[state.slots // state.beams]  # [R]
-        t = torch.full((len(tokens), 1), state.position, device=tokens.device)
-        logits[:, EOS_ID] += self._bias(t, src_len)[:, 0]
-        return logits, state
-
-    def decode(self, tgt_in: Tensor, memory: Tensor, src_mask: Tensor) -> Tensor:
-        hidden = self.model.decode(tgt_in, memory, src_mask)  # [R, T, D]
-        t = torch.arange(1, tgt_in.shape[1] + 1, device=tgt_in.device).expand(tgt_in.shape)  # [R, T]
-        return torch.cat([hidden, self._bias(t, src_mask.sum(dim=(1, 2, 3)))[..., None]], dim=-1)  # [R, T, D + 1]
-
-    def project(self, hidden: Tensor) -> Tensor:
-        logits = self.model.project(hidden[..., :-1])
-        logits[..., EOS_ID] += hidden[..., -1]
-        return logits
-
-
-def multi30k_like_sources(n: int, vocab_size: int, generator: torch.Generator) -> list[np.ndarray]:
-    """n random sentences of 7 to 29 token ids (8 to 30 with the EOS the search appends)."""
-    lengths = torch.randint(7, 30, (n,), generator=generator).tolist()
-    return [torch.randint(4, vocab_size, (length,), generator=generator).numpy() for length in lengths]
+log = logging.getLogger("bench.decoding.search")
 
 
 def real_data(model_dir: Path | None, tokenized: Path | None) -> tuple[Transformer, list[np.ndarray]] | None:
@@ -109,20 +62,6 @@ def real_data(model_dir: Path | None, tokenized: Path | None) -> tuple[Transform
         return None
     encoded = load_split(tokenized, "test", read_meta(tokenized)["src_lang"])
     return load_model(model_dir, torch.device("cpu")), [encoded[i] for i in range(len(encoded))]
-
-
-def timed(model: nn.Module, sources: Sequence[np.ndarray], cfg: TranslateConfig,
-          use_cache: bool = True) -> tuple[list[list[int]], float]:
-    """translate_ids over `sources`: (outputs, seconds), a GPU drained before and after (the benches' one timing
-    of decoding: this one, bench/decode_precision.py, bench/gpu_decode.py)."""
-    device = next(model.parameters()).device
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    outputs = translate_ids(model, sources, cfg, progress=False, use_cache=use_cache)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return outputs, time.perf_counter() - start
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,7 +1,7 @@
 """Sample efficiency: validation perplexity against target tokens trained, and greedy BLEU at the end.
 
     dvc repro tokenize                     # data/tokenized of the default preset (Multi30k)
-    python -m bench.sample_efficiency [OVERRIDE ...] [--million-tokens 1.5] [--every 0.25] [--init xavier]
+    python -m bench.cpu.sample_efficiency [OVERRIDE ...] [--million-tokens 1.5] [--every 0.25] [--init xavier]
 
 OVERRIDEs are Hydra overrides of conf/, as `dvc exp run -S` takes them, e.g.
 `batch.max_tokens=2500 train.warmup_steps=400`. Ragged the tokenized corpus with

@@ -1,6 +1,6 @@
 """Training throughput: our training step against torch.nn.Transformer of the same size, same batches, same loss.
 
-    python -m bench.train_throughput [OVERRIDE ...] [--steps 8] [--rounds 2] [--threads N]
+    python -m bench.cpu.train_throughput [OVERRIDE ...] [--steps 8] [--rounds 2] [--threads N]
 
 The default model (conf/ composed with the OVERRIDEs, Hydra overrides as `dvc exp run -S` takes them, e.g.
 `model.positional_encoding=sinusoidal model.rotary_base=10000`; with none, the `small` preset) with an
@@ -12,7 +12,7 @@ batch.max_tokens = 2500, one batch per step.
   ours      pipeline.training.optimizer.train_step with build_optimizer (what the train
             stage runs): SmoothedLoss (projection and loss on real target
             tokens only), fused Adam, the paper's dropout placement with
-            model/dropout.py's masks (bench.dropout measures them alone).
+            model/dropout.py's masks (docs/benchmarks.md has them timed alone).
   baseline  torch.nn.Transformer(d_model, nhead, layers, dim_feedforward,
             dropout, batch_first=True), post-norm as the paper, with the same
             shared embedding (x sqrt(d_model)), sinusoidal encoding, output
@@ -26,7 +26,7 @@ warm-up step each) so that load from other programs hits both alike, with the
 matrix products the default's train.cpu_matmul resolves to on this CPU (the run's
 Precision, pipeline/device/precision.py: fp32 by oneDNN or torch's BLAS for the
 default) and the attention kernels that go with them, for both; ours as the preset
-trains it (R-Drop's cost: bench.rdrop). Reported: real target tokens per second, and MFU = analytic
+trains it (R-Drop's cost: bench.cpu.rdrop). Reported: real target tokens per second, and MFU = analytic
 training FLOPs (model.flops.training_flops on real tokens) / (best round's time x
 the machine's matmul peak in those products: the best of
 model.flops.measure_matmul_peak before and after every round, since a shared
@@ -37,17 +37,16 @@ ours >= 1.3x the baseline's tokens/s, and MFU >= 0.45 of the measured peak.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import statistics
-import time
-from typing import Callable
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from bench.harness import (MAX_TOKENS, VOCAB, alternate, default_configs, our_step, over, synthetic_batches,
+                           under_autocast)
 from model import flops as flops_lib
 from model.config import ModelConfig
 from model.loss import SmoothedLoss
@@ -55,68 +54,11 @@ from model.positions import sinusoidal_encoding
 from model.transformer import Transformer
 from pipeline.core import config
 from pipeline.device import attention, distributed
-from pipeline.core.config import TrainConfig
-from pipeline.corpus.formats import PAD_ID, Ragged
-from pipeline.training.loader import Batch, collate
+from pipeline.corpus.formats import PAD_ID
+from pipeline.training.loader import Batch
 from pipeline.training.optimizer import build_optimizer, train_step
 from pipeline.device.precision import Precision, resolve
 from pipeline.corpus.batching import make_batches
-
-VOCAB = 8000
-MAX_TOKENS = 2500
-
-
-def synthetic_corpus(pairs: int, seed: int = 0, vocab: int = VOCAB, mean: float = 14, sd: float = 5,
-                     longest: int = 60) -> tuple[Ragged, Ragged]:
-    """Random token ids with Multi30k-like lengths (the defaults): source ~ N(14, 5), target ~ 1.04 x source + N(0, 2.5).
-
-    The target length follows the source's as in real translation pairs
-    (Multi30k en-de, BPE 8000: 14.3 +- 4.7 and 14.8 +- 5.4 tokens), which sets
-    how tightly length bucketing packs the batches. Other corpora: their mean,
-    sd and longest sentence (bench.gpu_check: WMT14's).
-    """
-    rng = np.random.default_rng(seed)
-    S = np.clip(np.rint(rng.normal(mean, sd, pairs)), 1, longest).astype(np.int64)
-    T = np.clip(np.rint(1.04 * S + rng.normal(0, sd / 2, pairs)), 1, longest).astype(np.int64)
-    out = []
-    for lengths in (S, T):
-        offsets = np.concatenate([[0], np.cumsum(lengths)])
-        out.append(Ragged(rng.integers(4, vocab, size=int(offsets[-1])).astype(np.uint16), offsets))
-    return out[0], out[1]
-
-
-def default_configs(overrides: list[str] | tuple[str, ...] = ()) -> tuple[ModelConfig, TrainConfig]:
-    """The default preset's model and train sections (conf/ composed with `overrides`, none by default)."""
-    params = config.compose(list(overrides))
-    return config.parse(params, "model", ModelConfig), config.parse(params, "train", TrainConfig)
-
-
-def synthetic_batches(max_tokens: int, count: int, vocab: int = VOCAB) -> tuple[Ragged, Ragged, list, np.ndarray,
-                                                                               list[Batch]]:
-    """`count` batches of at most max_tokens drawn (seeded) from the synthetic Multi30k-like corpus of ids < vocab:
-    (src, tgt, all batches' rows, the drawn batch ids, the drawn batches collated on the CPU)."""
-    src, tgt = synthetic_corpus(29000, vocab=vocab)
-    batches = make_batches(src.lengths + 1, tgt.lengths + 1, max_tokens, seed=1)
-    order = np.random.default_rng(0).permutation(len(batches))[:count]
-    return src, tgt, batches, order, [collate(src, tgt, batches[b], torch.device("cpu")) for b in order]
-
-
-def our_step(model: Transformer, train_cfg: TrainConfig, lr: float = 1e-4) -> Callable[[Batch], None]:
-    """One training step of `model` as the train stage runs it on a CPU (chunked loss, fused Adam, fp32; R-Drop
-    as train_cfg sets it)."""
-    loss_model = SmoothedLoss(model, train_cfg.label_smoothing, chunked=True, rdrop_alpha=train_cfg.rdrop_alpha,
-                              rdrop_fraction=train_cfg.rdrop_fraction)
-    optimizer = build_optimizer(model, train_cfg)
-    ctx, scaler = distributed.Dist(0, 1, 0, torch.device("cpu")), torch.amp.GradScaler("cpu", enabled=False)
-    return lambda b: train_step(loss_model, optimizer, [(b, True)], b.tokens, lr, ctx, contextlib.nullcontext(), scaler)
-
-
-def under_autocast(step: Callable[[Batch], None], precision: Precision) -> Callable[[Batch], None]:
-    """`step` run in the `precision`'s autocast (none for fp32), as the trainer runs it."""
-    def run(batch: Batch) -> None:
-        with precision.autocast():
-            step(batch)
-    return run
 
 
 class TorchTransformer(nn.Module):
@@ -193,16 +135,13 @@ def main(argv: list[str] | None = None) -> None:
     for step in (run_ours, run_base):
         step(warmup)
 
-    seconds: dict[str, list[float]] = {"ours": [], "nn.Transformer": []}
     peaks = [flops_lib.measure_matmul_peak(matmul_dtype)]  # before and after every round: the load changes
-    for r in range(args.rounds):
-        for name, step in (("ours", run_ours), ("nn.Transformer", run_base)):
-            start = time.perf_counter()
-            for b in timed:
-                step(b)
-            seconds[name].append(time.perf_counter() - start)
-            print(f"  round {r + 1} {name:15s} {tokens / seconds[name][-1]:8.0f} tok/s")
-        peaks.append(flops_lib.measure_matmul_peak(matmul_dtype))
+
+    def said(r: int, name: str, seconds: float) -> None:
+        print(f"  round {r + 1} {name:15s} {tokens / seconds:8.0f} tok/s")
+        if name == "nn.Transformer":
+            peaks.append(flops_lib.measure_matmul_peak(matmul_dtype))
+    seconds = alternate({"ours": over(run_ours, timed), "nn.Transformer": over(run_base, timed)}, args.rounds, said)
     peak = max(peaks)  # the machine's peak; lower figures were measured under someone else's load
     print(f"{precision.label} matmul peak: {peak / 1e9:.1f} GFLOP/s "
           f"(best of {', '.join(f'{p / 1e9:.0f}' for p in peaks)})")

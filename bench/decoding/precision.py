@@ -1,7 +1,7 @@
 """Decoding precision: the translate stage's beam search in fp32 and in the training precision, same model, same BLEU?
 Measures, per device, what translate.precision = auto chooses: fp32 unless another precision decodes faster here.
 
-    python -m bench.decode_precision --model data/model --tokenized data/tokenized --raw data/raw [--dtype bf16]
+    python -m bench.decoding.precision --model data/model --tokenized data/tokenized --raw data/raw [--dtype bf16]
 
 Decodes the test split (Multi30k test2016 for the default) with the stage's
 own translate_ids and `translate` params twice on this machine's device: the
@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.decode import timed
+from bench.harness.decoding import timed
 from pipeline.core.config import TranslateConfig, compose, parse
 from pipeline.corpus.formats import load_spm, load_split, read_meta
 from pipeline.translation.scoring import multi30k_bleu, read_lines, score
