@@ -18,7 +18,7 @@ base and every sized row of A to E (41000: base 65.1M), but there big has
 218.3M, and big's 213M needs 36272 or fewer, where base has 62.7M. At 37000
 (Sec. 5.1, "about 37000") base has 63.1M and big 214.2M (the paper: 65M, 213M).
 The paper's sizes are thus not all of one model family at one vocabulary;
-tests/test_table3.py checks these figures.
+tests/tools/test_table3.py checks these figures.
 """
 
 from __future__ import annotations

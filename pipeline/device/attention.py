@@ -14,7 +14,7 @@ and no cuDNN. TRANSFORMER_SDPA_BACKENDS (a comma list of cudnn, flash, efficient
 that list, for a GPU where other kernels measured faster. On a CPU nothing changes, torch's default CPU kernels (the
 variable is checked, not applied), unless oneDNN computes the process's matrix products (bf16 on AMX, or fp32:
 pipeline/device/cpu_matmul.py): then the math kernel: with oneDNN's products torch's flash kernel for CPUs made the
-default's training step slower than torch's BLAS, the math kernel faster (bench.cpu_matmul, docs/benchmarks.md).
+default's training step slower than torch's BLAS, the math kernel faster (bench.cpu.matmul, docs/benchmarks.md).
 
     description = attention.use(device)   # once per process (the Trainer, the translate stage): log it
     with attention.kernels(device): ...   # the same, for a block only

@@ -29,7 +29,7 @@ without it (oneDNN 3.x) its AVX-512 kernels keep them fp32. Where fp32 chooses o
 product is checked first: if oneDNN rounded it (another oneDNN, another CPU), the run keeps
 torch's BLAS and says so. Under oneDNN a CPU's attention runs torch's math kernel
 (pipeline/device/attention.py): there torch's flash kernel for CPUs is slower than the math
-one, and slower than torch's BLAS (bench.cpu_matmul). The choice changes how a step computes,
+one, and slower than torch's BLAS (bench.cpu.matmul). The choice changes how a step computes,
 never what it trains: pipeline/device/precision.py turns it into the run's Precision, which
 params_hash, metrics/train.json and MLflow record; the same machine with the same params and
 code trains the same weights. Speed and BLEU: docs/benchmarks.md, docs/results.md.

@@ -11,7 +11,7 @@ replay it from then on (one launch for a layer's hundreds of kernels). The batch
 inductor's warning past its default of 8 shapes is lifted to that bound. The embedding, the loss and Adam stay
 eager. A graph records only what runs on the device: the step reads nothing back from it (tests/training/test_step_syncs.py).
 
-CUDA only: the train stage refuses it on a CPU (no CUDA graphs there); elsewhere (bench.gpu_check --tiny on a CPU,
+CUDA only: the train stage refuses it on a CPU (no CUDA graphs there); elsewhere (bench.gpu.check --tiny on a CPU,
 a backend other than inductor in tests) the layers compile as with train.compile and nothing is recorded.
 """
 

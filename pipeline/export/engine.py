@@ -77,7 +77,7 @@ class Ctranslate2Engine:
     def translate_ids(self, sources: Sequence[np.ndarray], cfg: TranslateConfig, beta: float | None = None
                       ) -> list[list[int]]:
         """Output ids (no BOS/EOS) for each source (ids without EOS), in input order; `beta`: CTranslate2's length
-        penalty for every length instead of the mapped one (bench.export compares them)."""
+        penalty for every length instead of the mapped one (bench.decoding.export compares them)."""
         limit = max_source_len(self.max_positions, cfg) - 1  # room for EOS
         if limit < 0:
             raise InputError(f"translate.max_len_a = {cfg.max_len_a}, max_len_b = {cfg.max_len_b}: even an empty "

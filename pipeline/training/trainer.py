@@ -115,7 +115,7 @@ class Trainer(RunCheckpoints):
         # chunked: no [N, V] logits (model/loss.py), but with R-Drop (model/rdrop.py)
         self.loss_model: nn.Module = SmoothedLoss(self.model, cfg.label_smoothing, rdrop_alpha=cfg.rdrop_alpha,
                                                         rdrop_fraction=cfg.rdrop_fraction)
-        if ctx.world > 1 or torch.distributed.is_initialized():  # a group of one too: bench.gpu_check times DDP
+        if ctx.world > 1 or torch.distributed.is_initialized():  # a group of one too: bench.gpu.check times DDP
             self.loss_model = distributed.ddp(self.loss_model, ctx)  # no buffer sync per forward, on any torch
         # Steps, validation and the rest of the process: the SDPA kernels chosen on CUDA (none changed on a CPU).
         self.attention_kernels = attention.use(ctx.device)

@@ -35,7 +35,7 @@ def decoding_precision(model: Transformer, setting: str = "auto") -> torch.dtype
     """Cast `model` in place, once, to translate.precision = `setting`; returns that dtype.
 
     auto: fp32 on every device, the precision measured never slower: on an H200 bf16 weights decoded at 0.36x to 0.85x
-    fp32's sentences/s (python -m bench.decode_precision, docs/gpu_benchmarks.md), on CPUs fp32 is how they train.
+    fp32's sentences/s (python -m bench.decoding.precision, docs/gpu_benchmarks.md), on CPUs fp32 is how they train.
     fp32 / bf16 / fp16 force one; a GPU without bf16 (compute capability below 8.0) refuses bf16 with one line.
     The whole model is cast, as fairseq's generate does with --fp16 (model.half()), not autocast around each step:
     autocast's cast weights are cached only until its block exits, so a step under autocast casts every weight
