@@ -159,13 +159,10 @@ def main(argv: list[str] | None = None) -> None:
             conn.send(None)
             first[name] = conn.recv()
             print(f"  {name:14s} first meeting of {len(distinct)} shapes: {1 / first[name]:6.0f} tok/s")
-        rounds = iter(range(args.rounds * len(conns)))
-
-        def ask(conn) -> float:  # the worker times its own slice of the epoch: seconds a target token
-            r = next(rounds) // len(conns)
+        def ask(conn, r: int) -> float:  # the worker times round r's slice of the epoch: seconds a target token
             conn.send((r * args.steps, (r + 1) * args.steps))
             return conn.recv()
-        later = alternate({name: (lambda conn=conn: ask(conn)) for name, conn in conns.items()}, args.rounds,
+        later = alternate({name: (lambda r, conn=conn: ask(conn, r)) for name, conn in conns.items()}, args.rounds,
                           lambda r, name, s: print(f"  round {r + 1} {name:14s} {1 / s:6.0f} tok/s"))
     finally:
         for conn in conns.values():

@@ -94,24 +94,25 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def over(step: Callable[[Batch], object], batches: list[Batch]) -> Callable[[], None]:
-    """One way for alternate(): `step` on each of `batches`."""
-    def run() -> None:
+def over(step: Callable[[Batch], object], batches: list[Batch]) -> Callable[[int], None]:
+    """One way for alternate(): `step` on each of `batches`, whatever the round."""
+    def run(_: int) -> None:
         for batch in batches:
             step(batch)
     return run
 
 
-def alternate(ways: dict[str, Callable[[], float | None]], rounds: int,
+def alternate(ways: dict[str, Callable[[int], float | None]], rounds: int,
               said: Callable[[int, str, float], None] | None = None) -> dict[str, list[float]]:
     """Each way called once a round, in turn, for `rounds` rounds, so that load from other programs hits every way
-    alike: the seconds of each call, per way. A way that times itself (work in another process) returns its own
-    seconds; else its call is timed here, a GPU drained after it. `said(round, way, seconds)` after each call."""
+    alike: the seconds of each call, per way. Each way is called with the round's index; a way that times itself
+    (work in another process) returns its own seconds, else its call is timed here. `said(round, way, seconds)` after
+    each call."""
     seconds: dict[str, list[float]] = {name: [] for name in ways}
     for r in range(rounds):
         for name, run in ways.items():
             start = time.perf_counter()
-            own = run()
+            own = run(r)
             seconds[name].append(own if own is not None else time.perf_counter() - start)
             if said is not None:
                 said(r, name, seconds[name][-1])

@@ -27,7 +27,7 @@ repeated eager and the run stays eager, with one warning. The next step's micro-
 thread while this one trains (loader.Prefetcher).
 
 Beside it in pipeline/training: validation.py (the valid loss and perplexity), records.py (Progress, the plot rows,
-metrics/train.json, the STAGES_TRAIN_TRACE debug lines), params.py (params_hash), precision.py (Precision),
+metrics/train.json, the STAGES_TRAIN_TRACE debug lines), params.py (params_hash); the run's Precision: pipeline/device/precision.py,
 run_checkpoints.py (Trainer.save and Trainer.resume).
 """
 
