@@ -27,12 +27,8 @@ test: install
 	$(BIN)/python -m pytest -q
 
 bench: install
-	$(BIN)/python -m bench.data.scale
-	$(BIN)/python -m bench.data.shapes
-	$(BIN)/python -m bench.data.loader_host
 	$(BIN)/python -m bench.cpu.train_throughput
 	$(BIN)/python -m bench.cpu.matmul
-	$(BIN)/python -m bench.cpu.rdrop
 	$(BIN)/python -m bench.decoding.search
 
 # the house as drawn: imports down the floors (tools, bench -> stages -> pipeline -> model), no cycles, no code file

@@ -26,7 +26,7 @@ warm-up step each) so that load from other programs hits both alike, with the
 matrix products the default's train.cpu_matmul resolves to on this CPU (the run's
 Precision, pipeline/device/precision.py: fp32 by oneDNN or torch's BLAS for the
 default) and the attention kernels that go with them, for both; ours as the preset
-trains it (R-Drop's cost: bench.cpu.rdrop). Reported: real target tokens per second, and MFU = analytic
+trains it (R-Drop's cost: docs/benchmarks.md). Reported: real target tokens per second, and MFU = analytic
 training FLOPs (model.flops.training_flops on real tokens) / (best round's time x
 the machine's matmul peak in those products: the best of
 model.flops.measure_matmul_peak before and after every round, since a shared

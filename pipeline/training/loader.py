@@ -124,7 +124,8 @@ class TrainingData:
 
     def padded_tokens(self, rows: np.ndarray) -> int:
         """Padded tokens of the larger side of train pairs `rows` as one batch (what batch.max_tokens caps)."""
-        # Only the rows' own offsets: a step's work does not grow with the split (bench/data/loader_host.py).
+        # Only the rows' own offsets: a step's work does not grow with the split (measured by the retired
+        # bench.data.loader_host: git checkout f0118e0 && python -m bench.data.loader_host; docs/benchmarks.md).
         sides = (self.train_src, self.train_tgt)
         longest = [int((side.offsets[rows + 1] - side.offsets[rows]).max()) + 1 for side in sides]
         return len(rows) * int(padded(np.array(longest), self.bucket_step).max())

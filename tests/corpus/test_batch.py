@@ -180,7 +180,7 @@ def test_the_length_grid_steps_by_one_then_by_the_ratio_and_pads_each_length_to_
 
 def test_bucketed_lengths_bound_the_distinct_batch_shapes_and_keep_the_padding_low():
     """A WMT-like corpus (sentences joined in geometric numbers, long tail): thousands of distinct shapes of exact
-    lengths, a few hundred bucketed, padding efficiency >= 0.95 (issue figures on 4.5M pairs: bench/data/shapes.py)."""
+    lengths, a few hundred bucketed, padding efficiency >= 0.95 (figures on 4.5M pairs: docs/benchmarks.md)."""
     rng = np.random.default_rng(3)
     S, T = random_lengths(rng, 200_000, "correlated")
     exact, bucketed = (make_batches(S, T, 3300, seed=1, length_bucket_step=step) for step in (1.0, 1.1))
