@@ -6,8 +6,9 @@ never held whole, on CPUs and GPUs alike: projected_smoothed_loss, which
 model/torch_loss.py's loss_path routes to ProjectedSmoothedLoss (ours, chunk
 by chunk of rows, its matrix products in autocast's precision) or to torch's
 F.linear_cross_entropy where that computes this loss chunked. On GPUs ours
-computes each full chunk with one compiled function (fused_chunk: a few passes
-over the chunk's logits, not ten); on CPUs eagerly. Validation's loss and NLL
+computes each chunk, the last one's rows rounded up to a multiple of ROW_GRAIN,
+with one compiled function (fused_chunk: a few passes over the chunk's logits,
+not ten; a graph per window shape, a bounded few); on CPUs eagerly. Validation's loss and NLL
 are chunked the same way, without gradients (projected_smoothed_and_nll).
 R-Drop (train.rdrop_alpha > 0, model/rdrop.py) is the exception: its KL term
 needs both passes' whole distributions, so SmoothedLoss then builds the
@@ -139,8 +140,8 @@ class ProjectedSmoothedLoss(torch.autograd.Function):
             if dtype is not None:
                 h = h.to(dtype)
             z = h @ w.t()  # [n, V]: the product in bf16 / fp16 (all that follows it in fp32), or fp32
-            if fused and grads and len(y) == chunk and not skip:  # a full chunk: one shape, one graph
-                part, g, scale = _fused(z, y, eps, dtype, h, w)
+            if fused and grads and (len(y) == chunk or (grain and len(y) % grain == 0)):  # chunk / grain shapes
+                part, g, scale = _fused(z, y, eps, dtype, h, w, skip)
             else:
                 part, g, scale = _chunk(z.float(), y, eps, dtype, h, w, grads, skip)
             loss += part.double()
@@ -203,7 +204,8 @@ def _chunk(z: Tensor, y: Tensor, eps: float, dtype: torch.dtype | None, h: Tenso
 
 def fused_chunk(z: Tensor, y: Tensor, eps: float, dtype: torch.dtype | None, h: Tensor,
                 w: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
-    """_chunk's loss sum, logit gradient and fp16 scale as one function of the logits z [n, V] (the product's dtype).
+    """_chunk's loss per row [n], logit gradient and fp16 scale as one function of the logits z [n, V] (the product's
+    dtype); the caller sums the rows it counts (_fused).
 
     Written for torch.compile (_fused): no in-place updates of z and the
     one-hot target as a comparison, so the compiler makes of it a few passes
@@ -213,7 +215,7 @@ def fused_chunk(z: Tensor, y: Tensor, eps: float, dtype: torch.dtype | None, h: 
     z = z.float()
     z_max = z.amax(dim=-1, keepdim=True)
     lse = z_max + (z - z_max).exp().sum(dim=-1, keepdim=True).log()  # [n, 1]
-    loss = (lse[:, 0] - (1 - eps) * z.gather(1, y[:, None])[:, 0] - eps * z.mean(dim=-1)).sum()
+    loss = lse[:, 0] - (1 - eps) * z.gather(1, y[:, None])[:, 0] - eps * z.mean(dim=-1)
     target = torch.arange(z.shape[1], device=z.device) == y[:, None]  # [n, V], the one-hot
     g = (z - lse).exp() - eps / z.shape[1]
     return (loss, *_in_product_dtype(torch.where(target, g - (1 - eps), g), dtype, h, w))
@@ -250,8 +252,11 @@ def _compiled_chunk(backend: str):
 
 
 def _fused(z: Tensor, y: Tensor, eps: float, dtype: torch.dtype | None, h: Tensor,
-           w: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
-    """fused_chunk compiled; if compiling fails, _chunk eagerly, then and for the rest of the process (one warning).
+           w: Tensor, skip: int = 0) -> tuple[Tensor, Tensor, Tensor | None]:
+    """fused_chunk compiled (its loss summed over the rows after the first `skip`, whose gradient rows are zeroed:
+    the last window's rows counted by the chunk before, see windows); if compiling fails, _chunk eagerly, then and
+    for the rest of the process (one warning). The compiled graphs: one per window shape (the chunk, and the last
+    window's multiples of ROW_GRAIN: a bounded few) and precision; `skip` stays out of them.
 
     Eager too, with no warning, under a dispatch mode (FlopCounterMode, an op
     recorder), where torch.compile does not run.
@@ -259,13 +264,16 @@ def _fused(z: Tensor, y: Tensor, eps: float, dtype: torch.dtype | None, h: Tenso
     global _fused_failed
     if not _fused_failed and _get_current_dispatch_mode() is None:
         try:
-            return _compiled_chunk(ProjectedSmoothedLoss.COMPILE_BACKEND)(z, y, eps, dtype, h, w)
+            rows, g, scale = _compiled_chunk(ProjectedSmoothedLoss.COMPILE_BACKEND)(z, y, eps, dtype, h, w)
+            if skip:
+                g[:skip] = 0
+            return rows[skip:].sum(), g, scale
         except torch._dynamo.exc.TorchDynamoException as e:
             _fused_failed = True
             reason = " ".join(str(e).split())[:300] or type(e).__name__
             warnings.warn(f"the fused loss chunk did not compile (torch.compile, backend "
                           f"{ProjectedSmoothedLoss.COMPILE_BACKEND}); computing it eagerly: {type(e).__name__}: {reason}")
-    return _chunk(z.float(), y, eps, dtype, h, w, True)
+    return _chunk(z.float(), y, eps, dtype, h, w, True, skip)
 
 
 def projected_smoothed_loss(hidden: Tensor, weight: Tensor, targets: Tensor, label_smoothing: float,
@@ -276,8 +284,8 @@ def projected_smoothed_loss(hidden: Tensor, weight: Tensor, targets: Tensor, lab
     bf16 / fp16 and the sums in fp32; off (CPU training), all in fp32 as
     before, to the bit. The loss is fp32 (or hidden's dtype, if wider).
     `path` ("torch" / "ours") overrides loss_path's choice (tests). On GPUs
-    ours computes its full chunks with the compiled fused_chunk (the last,
-    shorter one eagerly, its rows rounded up to ROW_GRAIN: windows); on CPUs
+    ours computes its chunks with the compiled fused_chunk (the last one's
+    rows rounded up to ROW_GRAIN: windows; fewer rows than that, eagerly); on CPUs
     eagerly, chunk by chunk as before (compiled, a CPU gives other bits and no
     speed: docs/benchmarks.md).
     """
@@ -306,16 +314,27 @@ class SmoothedLoss(nn.Module):
     where autocast is on; False builds the whole logits, model.project() then
     F.cross_entropy, whose precision autocast manages (bf16 logits, fp32 loss),
     kept to compare the two.
+    `padded` (train.compile_scope = step, pipeline/device/compiled.py) projects every position of the batch,
+    padding included, and leaves the padding out of the sum (F.cross_entropy's ignore_index): the same loss,
+    a function of the batch's tensors alone (no count of real tokens, no row selection of an unknown size),
+    so one compiled graph of the whole forward serves every shape; its [B x T, V] logits are whole, for the
+    compiler to fuse (pipeline/training/plan.py counts their memory). Not with R-Drop.
     """
 
     def __init__(self, model: Transformer, label_smoothing: float, chunked: bool = True, rdrop_alpha: float = 0.0,
-                 rdrop_fraction: float = 1.0):
+                 rdrop_fraction: float = 1.0, padded: bool = False):
         super().__init__()
         self.model, self.label_smoothing, self.chunked = model, label_smoothing, chunked
         self.rdrop_alpha = rdrop_alpha  # > 0: R-Drop in training (model/rdrop.py)
         self.rdrop_fraction = rdrop_fraction  # of each batch's rows that pass twice
+        if padded and rdrop_alpha > 0:
+            raise ValueError("SmoothedLoss(padded=True) computes the plain loss: R-Drop (rdrop_alpha > 0) needs "
+                             "the real rows (padded=False)")
+        self.padded = padded
 
-    def forward(self, src: Tensor, tgt_in: Tensor, labels: Tensor, tokens: int) -> Tensor:
+    def forward(self, src: Tensor, tgt_in: Tensor, labels: Tensor, tokens: int | None = None) -> Tensor:
+        if self.padded:
+            return self.over_padding(src, tgt_in, labels)
         if not (self.rdrop_alpha > 0 and self.model.training):
             return self.plain(*real_hidden(self.model, src, tgt_in, labels, tokens))
         pairs = rdrop.paired_rows(src.shape[0], self.rdrop_fraction, src.device)
@@ -330,6 +349,13 @@ class SmoothedLoss(nn.Module):
         once = self.plain(*real_rows(hidden[:rows], labels, self.model.pad_id, tokens))
         return once + rdrop.pair_terms(self.model.project(hidden[pairs]), self.model.project(hidden[rows:]),
                                        labels[pairs], self.model.pad_id, self.label_smoothing, self.rdrop_alpha)
+
+    def over_padding(self, src: Tensor, tgt_in: Tensor, labels: Tensor) -> Tensor:
+        """The summed label-smoothed CE over every position of [B, T] labels, the padding left out (`padded`)."""
+        memory, src_mask = self.model.encode(src)
+        logits = self.model.project(self.model.decode(tgt_in, memory, src_mask).flatten(0, 1))  # [B x T, V]
+        return F.cross_entropy(logits.float(), labels.flatten(), ignore_index=self.model.pad_id,
+                               label_smoothing=self.label_smoothing, reduction="sum")
 
     def plain(self, hidden: Tensor, targets: Tensor) -> Tensor:
         """The summed label-smoothed CE of real positions' decoder outputs [N, D] and labels [N]."""

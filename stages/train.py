@@ -24,19 +24,21 @@ unless RESUME_ACROSS_CODE_CHANGE=1, which metrics/train.json records); stops
 at train.max_steps (train.max_minutes is a safety stop, recorded when it
 fires); Ctrl-C says at which step it stopped.
 Outputs (rank 0 only): checkpoints, metrics/train.json, plots/train.csv and an
-MLflow child run (pipeline/core/tracking.py).
+MLflow child run (pipeline/core/tracking.py). With train.compile, the compiled graphs are kept in
+compile_cache/ beside the checkpoints (not a DVC output: a cache, no record), so a resumed run loads them.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+from pathlib import Path
 
 import torch
 
 from model.config import ModelConfig
 from pipeline.core import cli, config, tracking
-from pipeline.device import distributed
+from pipeline.device import compiled, distributed
 from pipeline.core.config import BatchConfig, TrainConfig
 from pipeline.core.files import write_json
 from pipeline.training.loader import TrainingData
@@ -45,6 +47,8 @@ from pipeline.device.precision import resolve
 from pipeline.training.trainer import Trainer
 
 log = logging.getLogger(__name__)
+
+COMPILE_CACHE = "compile_cache"  # train.compile's graphs on disk, beside the checkpoints (compiled.keep_cache)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -57,6 +61,12 @@ def main(argv: list[str] | None = None) -> None:
     if cfg.cuda_graphs and not torch.cuda.is_available():
         raise config.ParamsError("train.cuda_graphs = true: CUDA graphs need a CUDA GPU and this machine has none "
                                  "(torch.cuda.is_available() is False); set train.cuda_graphs=false")
+    if cfg.compile_scope == "step" and (cfg.compile or cfg.cuda_graphs) and cfg.rdrop_alpha > 0:
+        raise config.ParamsError(f"train.compile_scope = step compiles the plain loss, and train.rdrop_alpha = "
+                                 f"{cfg.rdrop_alpha:g} asks for R-Drop: set train.compile_scope=layers (or "
+                                 "train.rdrop_alpha=0)")
+    if cfg.compile or cfg.cuda_graphs:  # the compiled graphs kept beside the checkpoints: a resume loads them
+        compiled.keep_cache(Path(args.checkpoints).parent / COMPILE_CACHE)
     if cfg.devices > 1 and not distributed.launched_by_torchrun():
         TrainingData.load(args.tokenized, args.batches)  # a missing input fails here, before any process starts
         distributed.launch(cfg.devices, "stages.train", sys.argv[1:] if argv is None else argv)

@@ -48,6 +48,22 @@ def one_thread(monkeypatch):
     torch.set_num_threads(threads)
 
 
+@pytest.fixture
+def aot_eager(monkeypatch, tmp_path):
+    """train.compile with backend aot_eager ($TRANSFORMER_COMPILE_BACKEND, pipeline/device/compiled.py): dynamo
+    captures and AOT autograd builds the forward and backward graphs, as with inductor, run with aten kernels
+    instead of a C++ build (minutes on a shared 2-core CPU); dynamo reset and its counters cleared around the
+    test, and an MLflow store of the test's own."""
+    from pipeline.device import compiled
+
+    monkeypatch.setenv(compiled.BACKEND_ENV, "aot_eager")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()  # reset() keeps dynamo's counters
+    yield
+    torch._dynamo.reset()
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _private_peak_cache(tmp_path_factory):
     """Training's peak FLOP/s cache (pipeline/device/peak.py) lives under XDG_CACHE_HOME: one for the session, not ~/.cache."""

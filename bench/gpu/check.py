@@ -11,18 +11,20 @@ over pipeline.device.peak), peak memory.
              (no DDP), Adam, autocast and attention kernels, the whole loss
              under one torch.compile, one fixed micro-batch of the step's
              tokens, [tokens_per_step // 32, 32], all real (bench/harness/reference.py).
-  eager, compiled, graphs  the train stage's Trainer.step (train.compile off,
-             on; train.cuda_graphs on) in a process group of one (DDP, prefetch
+  eager, compiled, graphs, step, step-graphs  the train stage's Trainer.step (train.compile off,
+             on; train.cuda_graphs on; the same two with train.compile_scope = step, the
+             whole step one graph; --modes picks) in a process group of one (DDP, prefetch
              thread) over its epoch order, each mode on a fresh synthetic corpus
              of its own (its own seed; WMT-like lengths, N(28, 14) tokens, at
              most 250; one epoch covers every step) written as the tokenize stage
              writes, batched by the batch stage's write_batches with the preset's
              whole BatchConfig, read by TrainingData.load (bench/harness/gpu.py,
              bench/harness/steps.py). Each says "x of the reference" (its tokens/s
-             over the reference's); compiled and graphs also what dynamo did
+             over the reference's); the compiled modes also what dynamo did
              during the timed steps (graphs, graph breaks, recompiles and their
-             reasons), graphs the CUDA graphs recorded and their pool's memory.
-  share      the eager step as one of --ranks processes (8: the paper's GPUs) trains it, alone: the
+             reasons), the graphs modes the CUDA graphs recorded and their pool's memory.
+  share      the eager step (and the step mode's: --share-modes) as one of --ranks processes (8: the
+             paper's GPUs) trains it, alone: the
              row parts of each batch rank 0 takes (pipeline/corpus/steps.py), without the gradient
              all-reduce; tokens/s and MFU per GPU beside the whole step's, and the preset's
              train.max_steps on that many GPUs predicted from it (compute only).
@@ -57,7 +59,7 @@ from bench.harness.reference import fitting_reference
 from bench.harness.gpu import arguments as gpu_arguments
 from bench.harness.gpu import (PRESETS, VALID_PAIRS, WARMUP_STEPS, WMT_LONGEST, WMT_MEAN, WMT_SD, Setup, gpu_or_tiny,
                              preset, process_group, stream)
-from bench.harness.steps import MODES, fitting_training
+from bench.harness.steps import MODES, fitting_training, records_graphs
 from bench.harness import synthetic_corpus
 from model import flops as flops_lib
 from pipeline.device import distributed
@@ -102,11 +104,13 @@ def training_line(name: str, mode: str, r: dict, reference: dict, s: Setup) -> s
             f"{s.max_tokens})")
 
 
-def share_line(name: str, r: dict, whole: dict, s: Setup) -> str:
-    """The rank's share of the eager step beside the whole step, and the preset's steps on that many GPUs from it."""
+def share_line(name: str, mode: str, r: dict, whole: dict, s: Setup) -> str:
+    """The rank's share of the `mode` step beside the whole step in that mode, and the preset's steps on that many
+    GPUs from it."""
     seconds = r["tokens_per_step"] / r["tokens_per_s"]  # a step's time on each GPU, the all-reduce left out
     hours = s.train_cfg.max_steps * seconds / 3600
-    return (f"{name} share: 1 of {r['ranks']} GPUs: {figures(r)}, {r['tokens_per_s'] / whole['tokens_per_s']:.2f}x "
+    mode = "" if mode == "eager" else f" {mode}"
+    return (f"{name} share{mode}: 1 of {r['ranks']} GPUs: {figures(r)}, {r['tokens_per_s'] / whole['tokens_per_s']:.2f}x "
             f"the whole step's tokens/s per GPU; {r['tokens_per_step']:,.0f} target tokens/step on this GPU (each "
             f"batch cut into {r['parts']} row parts, rank 0's), {seconds * 1e3:.1f} ms a step; train.max_steps "
             f"{s.train_cfg.max_steps:,} on {r['ranks']} GPUs: {hours:.2f} h predicted (compute only, no all-reduce)")
@@ -119,7 +123,7 @@ def inside_line(name: str, mode: str, r: dict) -> str:
     said = [f"attention kernels: {kernels}"]
     if mode != "eager":
         said.append(f"timed steps' {r['dynamo'].line()}")
-    if mode == "graphs":
+    if records_graphs(mode):
         pool = "n/a" if r["cuda_graphs_pool"] is None else f"{r['cuda_graphs_pool'] / 2**30:.2f} GiB pool"
         said.append("CUDA graphs: n/a (not CUDA)" if r["cuda_graphs"] is None else
                     f"{r['cuda_graphs']} CUDA graph(s) recorded, {pool}")
@@ -127,7 +131,7 @@ def inside_line(name: str, mode: str, r: dict) -> str:
     said.append((f"{len(syncs)} host sync(s) in the timed steps: {syncs[0]}" if syncs else
                  "no host sync in the timed steps (set_sync_debug_mode)") if r["syncs_checked"] else
                 "host syncs not checked" + (" (graphs record at each new shape, which synchronises)"
-                                            if mode == "graphs" else " (CUDA only)"))
+                                            if records_graphs(mode) else " (CUDA only)"))
     return f"{name} {mode} inside: " + "; ".join(said)
 
 
@@ -148,8 +152,8 @@ def check(name: str, device: torch.device, args: argparse.Namespace, ctx: distri
     """Every line of one preset: the reference, training per mode, a checkpoint's save, decoding; appends to
     `failures` why a line failed. Returns what each line measured (tests)."""
     s = preset(name, device, args.tiny)
-    modes = MODES[:1] if args.no_compile else MODES
-    seeds = {mode: 1 + len(MODES) * PRESETS.index(name) + i for i, mode in enumerate(modes)}  # a corpus per mode
+    modes = MODES[:1] if args.no_compile else [mode for mode in MODES if mode in args.modes]
+    seeds = {mode: 1 + len(MODES) * PRESETS.index(name) + MODES.index(mode) for mode in MODES}  # a corpus per mode
     results = {}
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         tmp = Path(tmp)
@@ -170,12 +174,13 @@ def check(name: str, device: torch.device, args: argparse.Namespace, ctx: distri
                 [saved] = checkpoints.glob("step_*.pt")
                 print(f"{name}: checkpoint {saved.stat().st_size / 2**20:,.1f} MiB saved in {r['save_seconds']:.1f} s "
                       "(Trainer.save: weights, Adam, RNGs, sha256 sidecar)", flush=True)
-        if args.ranks > 1:  # the eager step as one of --ranks processes trains it, on a corpus of its own
-            r, s = fitting_training(s, seeds["eager"] + len(MODES) * len(PRESETS), ctx, args.steps, "eager",
-                                    tmp / "share", ranks=args.ranks)
+        for mode in [m for m in args.share_modes if m in results] if args.ranks > 1 else []:
+            # the step as one of --ranks processes trains it, on a corpus of its own
+            r, s = fitting_training(s, seeds[mode] + len(MODES) * len(PRESETS), ctx, args.steps, mode,
+                                    tmp / f"share-{mode}", ranks=args.ranks)
             r.pop("trainer").close()
-            results["share"] = r
-            print(share_line(name, r, results["eager"], s), flush=True)
+            results["share" if mode == "eager" else f"share {mode}"] = r
+            print(share_line(name, mode, r, results[mode], s), flush=True)
             failures += failures_of(name, "share", r, device)
     sources, _ = synthetic_corpus(args.sentences, seed=100 + PRESETS.index(name), vocab=s.vocab, mean=WMT_MEAN,
                                   sd=WMT_SD, longest=WMT_LONGEST)
@@ -193,7 +198,10 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=50, help="timed steps per model and mode, after the warm-up")
     parser.add_argument("--sentences", type=int, default=400, help="sentences decoded per model and precision")
     parser.add_argument("--no-compile", action="store_true", help="skip the train.compile and train.cuda_graphs runs")
-    parser.add_argument("--ranks", type=int, default=8, help="the share line's processes (1: no share line)")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="training modes timed")
+    parser.add_argument("--ranks", type=int, default=8, help="the share lines' processes (1: no share line)")
+    parser.add_argument("--share-modes", nargs="+", choices=MODES, default=["eager", "step"],
+                        help="modes whose rank's share is timed (of those in --modes)")
     return parser
 
 

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 import torch
 from torch._dynamo.utils import counters
 
+from pipeline.device import compiled
+
 ATTENTION = ("cudnn", "flash", "efficient", "math")
 MATH_OP = "aten::_scaled_dot_product_attention_math"  # the math backend: composite ops, no kernel of its own
 
@@ -73,7 +75,7 @@ def profiled(device: torch.device) -> Iterator[list[tuple[str, int]] | None]:
 
 class Dynamo:
     """What dynamo did inside a block: graphs compiled, graph breaks, and the reasons of each recompile (the
-    reasons from torch._dynamo.convert_frame, where this torch has its hook; else only the count of graphs)."""
+    train stage's own record of them: pipeline/device/compiled.py watch)."""
 
     def __init__(self):
         self.graphs = self.graph_breaks = 0
@@ -81,23 +83,12 @@ class Dynamo:
 
     def __enter__(self) -> Dynamo:
         self._start = (counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()))
-        from torch._dynamo import convert_frame
-
-        self._original = getattr(convert_frame, "get_and_maybe_log_recompilation_reasons", None)
-        if self._original is not None:
-            def reasons(*args, **kwargs):
-                found = self._original(*args, **kwargs)
-                self.recompiles += [" ".join(str(r).split()) for r in found] or ["(no reason given)"]
-                return found
-
-            convert_frame.get_and_maybe_log_recompilation_reasons = reasons
+        self._watch = compiled.watch()
+        self.recompiles = self._watch.__enter__().reasons
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._original is not None:
-            from torch._dynamo import convert_frame
-
-            convert_frame.get_and_maybe_log_recompilation_reasons = self._original
+        self._watch.__exit__(*exc)
         self.graphs = counters["stats"]["unique_graphs"] - self._start[0]
         self.graph_breaks = sum(counters["graph_break"].values()) - self._start[1]
 

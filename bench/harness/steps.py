@@ -1,7 +1,8 @@
 """gpu-check's training lines: the train stage's Trainer.step timed per mode, and what ran inside (bench/gpu/check.py).
 
 Modes (train settings): eager; compiled (train.compile); graphs (train.cuda_graphs: the compiled layers replayed
-as CUDA graphs, pipeline/device/graphs.py).
+as CUDA graphs, pipeline/device/graphs.py); step and step-graphs (the same with train.compile_scope = step: the
+whole step one graph, pipeline/device/compiled.py).
 """
 
 from __future__ import annotations
@@ -24,7 +25,12 @@ from pipeline.device import distributed, graphs
 from pipeline.training.loader import TrainingData
 from pipeline.training.trainer import Trainer
 
-MODES = ("eager", "compiled", "graphs")
+MODES = ("eager", "compiled", "graphs", "step", "step-graphs")
+
+
+def records_graphs(mode: str) -> bool:
+    """Whether `mode` replays CUDA graphs (whose recording of each new shape synchronises the host)."""
+    return mode.endswith("graphs")
 
 
 def timed(step: Callable[[], object], count: Callable[[], tuple[float, float]], steps: int,
@@ -64,7 +70,8 @@ def timed(step: Callable[[], object], count: Callable[[], tuple[float, float]], 
 
 def trainer(s: Setup, data: TrainingData, ctx: distributed.Dist, mode: str, checkpoints: Path | None) -> Trainer:
     """The train stage's Trainer for this preset in `mode` (MODES), writing checkpoints to `checkpoints`."""
-    cfg = replace(s.train_cfg, compile=mode == "compiled", cuda_graphs=mode == "graphs")
+    cfg = replace(s.train_cfg, compile=mode != "eager", cuda_graphs=records_graphs(mode),
+                  compile_scope="step" if mode.startswith("step") else "layers")
     return Trainer(data, s.model_cfg, cfg, s.max_tokens, ctx, StageRun(), phash="gpu-check", checkpoints=checkpoints)
 
 
@@ -101,9 +108,9 @@ def time_training(s: Setup, data: TrainingData, ctx: distributed.Dist, steps: in
 
     count = ((lambda: (p.train_tokens, p.flops)) if ranks == 1 else
              (lambda: (mine[0], p.flops * mine[0] / max(p.train_tokens, 1))))
-    r = timed(step, count, steps, s.device, check_syncs=mode != "graphs", compiling=lambda: p.compile_seconds)
+    r = timed(step, count, steps, s.device, check_syncs=not records_graphs(mode), compiling=lambda: p.compile_seconds)
     timed_batches = [b for ids in taken[WARMUP_STEPS:] for b in ids]
-    recorded, pool = graphs.totals(s.device) if mode == "graphs" else (None, None)
+    recorded, pool = graphs.totals(s.device) if records_graphs(mode) else (None, None)
     r |= {"accum": t.accum, "parts": t.parts, "ranks": ranks, "peak": t.peak, "trainer": t, "compiled": bool(t.compiled), "epochs": p.epoch + 1,
           "dtype": t.precision.dtype, "batches": taken, "corpus": digest(data),
           "cuda_graphs": recorded, "cuda_graphs_pool": pool,

@@ -156,10 +156,11 @@ class TrainConfig:
     seed: int = field(metadata=SEED)
     # a collective (all-reduce, broadcast) waiting this long fails the run: a node died or froze
     timeout_minutes: float = field(metadata={"range": "(0, inf)"})
-    # torch.compile the encoder and decoder layers (pipeline/device/compiled.py); eager if compiling fails
+    # torch.compile (pipeline/device/compiled.py) each encoder and decoder layer, or the whole step (compile_scope:
+    # forward, loss and backward as one graph; not with R-Drop); eager if compiling fails
     compile: bool = field(metadata={})
-    # the compiled layers replayed as CUDA graphs (torch.compile mode="reduce-overhead", a graph per shape:
-    # pipeline/device/graphs.py); CUDA GPUs only
+    compile_scope: str = field(default="layers", metadata={"choices": ("layers", "step")})
+    # the compiled graphs replayed as CUDA graphs (mode="reduce-overhead", pipeline/device/graphs.py); CUDA only
     cuda_graphs: bool = field(default=False, metadata={})
     # padded tokens per micro-batch (a process's share of a step split by rows: pipeline/training/plan.py);
     # 0 = from the device: the whole share on a CPU, what fits the memory on a GPU
@@ -171,11 +172,9 @@ class TrainConfig:
     rdrop_alpha: float = field(default=0.0, metadata={"range": "[0, inf)"})
     # the share of each batch's rows that pass twice with R-Drop (drawn anew each step); 1 = all of them
     rdrop_fraction: float = field(default=1.0, metadata={"range": "(0, 1]"})
-    # a CPU's matrix products: fp32 (the paper's; by oneDNN on AVX-512 without AMX, else torch's BLAS), blas (fp32 by
-    # torch's BLAS), bf16 products with fp32 weights (on AMX tiles, or under autocast on AVX-512 BF16), auto (bf16
-    # where the CPU has AMX or AVX-512 BF16, else fp32) or autocast (bf16 autocast on AVX-512 BF16 without AMX, else
-    # fp32); GPUs ignore it (pipeline/device/cpu_matmul.py). How a step computes, never what it trains: the run's
-    # Precision (pipeline/device/precision.py) is recorded and hashed
+    # a CPU's matrix products: fp32 (the paper's; by oneDNN on AVX-512 without AMX, else torch's BLAS), blas, bf16,
+    # auto or autocast (conf/config.yaml says each; GPUs ignore it: pipeline/device/cpu_matmul.py). How a step
+    # computes, never what it trains: the run's Precision (pipeline/device/precision.py) is recorded and hashed
     cpu_matmul: str = field(default="fp32", metadata={"choices": ("auto", "fp32", "blas", "bf16", "autocast")})
 
 

@@ -1,7 +1,21 @@
-"""train.compile: the encoder and decoder layers compiled with torch.compile, eager if compiling fails.
+"""train.compile: the encoder and decoder layers, or the whole step, compiled with torch.compile; eager if it fails.
 
-    layers = compile_layers(model)      # in place; [] when the backend cannot even be set up (warned)
+    layers = compile_layers(model)      # train.compile_scope = layers: in place; [] when the backend cannot even be set up (warned)
     uncompile(layers)                   # back to eager (after a compile failure: fallback())
+    forward = compile_step(loss_model)  # train.compile_scope = step: the loss model's whole forward, one graph
+
+The whole step (compile_step, train.compile_scope = step): the loss model's forward (embedding, every layer,
+the projection and the loss over the batch's positions, padding left out: model/loss.py SmoothedLoss(padded))
+is one graph, and AOT autograd builds the backward with it, so forward, loss and backward are compiled
+together; the module stays the eager one (its state_dict, DDP's no_sync), the compiled callable is apart.
+Its inputs are the batch's tensors alone (src, tgt_in, labels: rows and lengths marked dynamic), no count of
+real tokens, so one graph serves the run's shapes (a dimension of 1 aside, as below). Under DDP the callable
+compiles the DDP module, and dynamo splits the graph at DDP's gradient buckets so that the all-reduce still
+overlaps the backward. Adam stays the fused one (one multi-tensor kernel per device and dtype, its step count
+on the device: pipeline/training/optimizer.py), outside the graph.
+What recompiled and why: watch() (the trainer's metrics/train.json: compile_recompiles and their reasons).
+The caches: keep_cache() puts inductor's on disk beside the checkpoints, so a resumed run loads what the run
+before built (metrics/train.json: compile_cache_hits, compile_cache_misses: cache_counts()).
 
 What is compiled: each EncoderLayer and DecoderLayer's forward (attention,
 feed-forward, dropout, residuals and LayerNorms: the ~1000 small kernels of an
@@ -53,11 +67,14 @@ an invalid name (a real failure).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import os
 import threading
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 import torch._dynamo.callback
@@ -80,6 +97,10 @@ DYNAMIC_DIMS: dict[type[nn.Module], tuple[tuple[int, ...], ...]] = {
 }
 
 
+# The loss model's inputs (src [B, S], tgt_in [B, T], labels [B, T]): rows and lengths dynamic (compile_step).
+STEP_DIMS: tuple[tuple[int, ...], ...] = ((0, 1), (0, 1), (0, 1))
+
+
 def backend() -> str:
     return os.environ.get(BACKEND_ENV, "").strip() or "inductor"
 
@@ -99,6 +120,73 @@ def compile_layers(model: Transformer, mode: str | None = None) -> list[nn.Modul
     log.info("train.compile: %d encoder and decoder layers compiled (torch.compile, backend %s%s)", len(layers),
              backend(), f", mode {mode}" if mode else "")
     return layers
+
+
+def compile_step(loss_model: nn.Module, mode: str | None = None):
+    """The loss model's whole forward as one torch.compile (its backward built with it by AOT autograd), in
+    torch.compile's `mode`: a callable taking the loss model's arguments. The module itself stays eager."""
+    _clock.install()
+    forward = marked(torch.compile(loss_model, backend=backend(), mode=mode), STEP_DIMS)
+    log.info("train.compile: the whole step compiled (forward, loss and backward; torch.compile, backend %s%s)",
+             backend(), f", mode {mode}" if mode else "")
+    return forward
+
+
+CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"  # inductor's on-disk caches (compiled graphs, AOT autograd's, Triton's kernels)
+
+
+def keep_cache(directory: Path) -> str:
+    """Inductor's caches kept in `directory` (the train stage: data/compile_cache, beside the checkpoints), so a
+    resumed run, or the next run of the same shapes, loads its graphs instead of building them again; a
+    $TORCHINDUCTOR_CACHE_DIR of the user's stays (torch sets it to its default, a per-user directory under /tmp,
+    when it is imported: that one is replaced). Returns the directory used. Dynamo still traces in each process
+    (seconds); what the cache spares is the backend's build (inductor: most of a compile's time)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    current = os.environ.get(CACHE_ENV, "").strip()
+    if not current or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
+        os.environ[CACHE_ENV] = str(directory.resolve())
+    return os.environ[CACHE_ENV]
+
+
+def cache_counts() -> tuple[int, int]:
+    """(hits, misses) of the compile caches in this process so far: inductor's FX graph cache and AOT autograd's
+    (torch._dynamo's counters; 0, 0 with a backend that caches nothing, aot_eager)."""
+    counters = torch._dynamo.utils.counters
+    hits = counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
+    misses = counters["inductor"]["fxgraph_cache_miss"] + counters["aot_autograd"]["autograd_cache_miss"]
+    return int(hits), int(misses)
+
+
+class Recompiles:
+    """The recompiles dynamo did inside a `with` block and their reasons (watch())."""
+
+    def __init__(self):
+        self.reasons: list[str] = []
+
+
+@contextlib.contextmanager
+def watch() -> Iterator[Recompiles]:
+    """Record every recompile inside the block with its reasons (the guards that failed), read where dynamo decides
+    to recompile (torch._dynamo.convert_frame's get_and_maybe_log_recompilation_reasons; on a torch without that
+    hook, nothing is recorded)."""
+    from torch._dynamo import convert_frame
+
+    seen, original = Recompiles(), getattr(convert_frame, "get_and_maybe_log_recompilation_reasons", None)
+    if original is None:
+        yield seen
+        return
+
+    def reasons(*args, **kwargs):
+        found = original(*args, **kwargs)
+        seen.reasons += [" ".join(str(r).split()) for r in found] or ["(no reason given)"]
+        return found
+
+    convert_frame.get_and_maybe_log_recompilation_reasons = reasons
+    try:
+        yield seen
+    finally:
+        convert_frame.get_and_maybe_log_recompilation_reasons = original
 
 
 def marked(forward, dims: tuple[tuple[int, ...], ...]):

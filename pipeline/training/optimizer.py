@@ -37,7 +37,8 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
 
 
 def train_step(loss_model: nn.Module, optimizer: torch.optim.Optimizer, micro: list[tuple[Batch, bool]],
-               global_tokens: int, lr: float, ctx: Dist, autocast, scaler: torch.amp.GradScaler) -> Tensor:
+               global_tokens: int, lr: float, ctx: Dist, autocast, scaler: torch.amp.GradScaler,
+               forward=None) -> Tensor:
     """Accumulate the gradients of this rank's micro-batches, then one Adam update; returns this rank's summed loss.
 
     Each micro-batch's summed loss is scaled by world / global_tokens: DDP
@@ -45,14 +46,15 @@ def train_step(loss_model: nn.Module, optimizer: torch.optim.Optimizer, micro: l
     step's summed loss over its real target tokens on all ranks. A padding
     micro-batch (False: none left for this rank at an epoch's tail) is weighted
     0, so the rank still joins the all-reduce without changing the update.
-    `scaler` scales the loss for fp16 (a disabled scaler passes everything through).
+    `scaler` scales the loss for fp16 (a disabled scaler passes everything through). `forward`: the loss
+    model's compiled whole step (pipeline/device/compiled.py compile_step), called in its place; None: the module.
     """
     scale = ctx.world / global_tokens
-    total = torch.zeros((), device=ctx.device)
+    total, forward = torch.zeros((), device=ctx.device), forward or loss_model
     for i, (batch, real) in enumerate(micro):
         sync = i == len(micro) - 1 or not isinstance(loss_model, DistributedDataParallel)
         with (contextlib.nullcontext() if sync else loss_model.no_sync()), autocast:
-            loss = loss_model(batch.src, batch.tgt_in, batch.labels, batch.tokens)
+            loss = forward(batch.src, batch.tgt_in, batch.labels, batch.tokens)
         scaler.scale(loss * (scale if real else 0.0)).backward()
         if real:
             total += loss.detach().float()

@@ -56,6 +56,9 @@ log = logging.getLogger(__name__)
 MEMORY_SHARE = 0.8  # of the device's memory the plan fills; the rest: allocator slack, the loss's chunks, NCCL
 STATE_BYTES = 16  # a parameter: fp32 weight, gradient, and Adam's two moments
 RDROP_LOGIT_BYTES = 12  # R-Drop, a token and vocabulary entry: fp32 log-probability, its exp (the KL), its gradient
+# train.compile_scope = step (model/loss.py SmoothedLoss(padded)): the whole logits, a padded target position and
+# vocabulary entry: the low-precision logits kept for the backward and their gradient (counted, not measured)
+WHOLE_LOGIT_BYTES = 4
 # Saved bytes a padded token per layer, under autocast: per unit of d_model, and per unit of d_ff (one bf16
 # [tokens, d_ff] tensor a feed-forward); measured (module docstring, tests/training/test_plan.py).
 ENCODER_BYTES_PER_D_MODEL = 26
@@ -79,20 +82,23 @@ def parameters(cfg: ModelConfig, vocab_size: int) -> int:
         return sum(p.numel() for p in Transformer(cfg, vocab_size).parameters())
 
 
-def tokens_for_memory(cfg: ModelConfig, vocab_size: int, memory_bytes: float, passes: float = 1) -> int:
+def tokens_for_memory(cfg: ModelConfig, vocab_size: int, memory_bytes: float, passes: float = 1,
+                      whole_logits: bool = False) -> int:
     """Padded tokens a micro-batch may hold on a device of `memory_bytes` (0 when even the weights do not fit).
 
     passes = 1 + f (R-Drop, model/rdrop.py, a share f of the rows twice): those rows' activations twice, and
-    their two passes' fp32 log-probabilities whole, RDROP_LOGIT_BYTES a vocabulary entry (counted, not measured)."""
+    their two passes' fp32 log-probabilities whole, RDROP_LOGIT_BYTES a vocabulary entry (counted, not measured).
+    whole_logits (the whole step compiled): WHOLE_LOGIT_BYTES a vocabulary entry more a token."""
     free = MEMORY_SHARE * memory_bytes - STATE_BYTES * parameters(cfg, vocab_size)
     per_token = passes * activation_bytes(cfg) + 2 * (passes - 1) * RDROP_LOGIT_BYTES * vocab_size
+    per_token += WHOLE_LOGIT_BYTES * vocab_size if whole_logits else 0
     return max(0, int(free // per_token))
 
 
 def micro_batch_tokens(setting: int, cfg: ModelConfig, vocab_size: int, device: torch.device,
-                       passes: float = 1) -> int:
+                       passes: float = 1, whole_logits: bool = False) -> int:
     """The budget of padded tokens a micro-batch: the param when set, else 0 (no cap) on a CPU, else from memory
-    (for `passes` passes of each pair: tokens_for_memory)."""
+    (for `passes` passes of each pair, with the whole logits or not: tokens_for_memory)."""
     if setting > 0:
         log.info("micro-batches of at most %d padded tokens (train.micro_batch_tokens)", setting)
         return setting
@@ -100,7 +106,7 @@ def micro_batch_tokens(setting: int, cfg: ModelConfig, vocab_size: int, device: 
         log.info("micro-batches: each piece of a step whole (a CPU; train.micro_batch_tokens caps them)")
         return 0
     memory = torch.cuda.get_device_properties(device).total_memory
-    budget = max(1, tokens_for_memory(cfg, vocab_size, memory, passes))
+    budget = max(1, tokens_for_memory(cfg, vocab_size, memory, passes, whole_logits))
     log.info("micro-batches of at most %d padded tokens: %.0f GiB of device memory, ~%.2f MiB a token "
              "(pipeline/training/plan.py; train.micro_batch_tokens overrides)", budget, memory / 2**30,
              activation_bytes(cfg) / 2**20)

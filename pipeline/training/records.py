@@ -27,6 +27,7 @@ from pipeline.device.precision import Precision
 
 PLOT_COLUMNS = ("step", "loss", "lr", "tokens_per_second", "valid_ppl")
 TRACE_ENV = "STAGES_TRAIN_TRACE"
+RECOMPILE_REASONS = 10  # recompile reasons a run keeps (metrics/train.json); the count is whole
 
 
 @dataclass
@@ -44,9 +45,17 @@ class Progress:
     step_seconds: float = 0.0  # time in training steps only (tokens per second, MFU)
     compile_seconds: float = 0.0  # of step_seconds, compiling (train.compile: graphs built inside a step)
     compile_graphs: int = 0  # graphs torch.compile built inside steps
+    recompiles: int = 0  # of them, rebuilt for a shape or value their guards did not admit (compiled.watch)
+    recompile_reasons: list = field(default_factory=list)  # the first RECOMPILE_REASONS, as dynamo gave them
+    compile_cache: list[int] = field(default_factory=lambda: [0, 0])  # compiled graphs loaded, built (cache_counts)
     valid: dict = field(default_factory=dict)
     plot_rows: list = field(default_factory=list)
     code_changes: list = field(default_factory=list)  # [{"step", "files"}]: resumed across a code change
+
+    def recompiled(self, reasons: list[str]) -> None:
+        """Count a step's recompiles and keep the first RECOMPILE_REASONS reasons of the run."""
+        self.recompiles += len(reasons)
+        self.recompile_reasons += reasons[: max(RECOMPILE_REASONS - len(self.recompile_reasons), 0)]
 
     @property
     def train_seconds(self) -> float:
@@ -103,6 +112,11 @@ def train_metrics(p: Progress, *, stopped_by_time: bool, train_batches: int, cud
         "step_seconds": p.step_seconds,
         "compile_seconds": p.compile_seconds,  # of step_seconds: train.compile building graphs (compiled.py)
         "compile_graphs": p.compile_graphs,
+        "compile_recompiles": p.recompiles,  # and the guards that failed, first RECOMPILE_REASONS of them:
+        "compile_recompile_reasons": " | ".join(p.recompile_reasons),
+        # of the graphs, loaded from the compile cache (data/compile_cache: a resumed run) and built anew
+        "compile_cache_hits": p.compile_cache[0],
+        "compile_cache_misses": p.compile_cache[1],
         # train.cuda_graphs: CUDA graphs recorded and their memory pool's bytes (None off CUDA or when off)
         **dict(zip(("cuda_graphs_recorded", "cuda_graphs_pool_bytes"), cuda_graphs)),
         "flops_analytic": p.flops,

@@ -22,9 +22,9 @@ Checkpoints every checkpoint_every steps and at the end, never by the clock, so
 the checkpoints average takes are the same on any hardware; on start the newest
 matching one is resumed exactly (run_checkpoints.py).
 Precision: one value resolved from the device and train.cpu_matmul (precision.py). train.compile compiles
-the encoder and decoder layers (pipeline/device/compiled.py: checkpoints unchanged); if compiling fails, the step is
-repeated eager and the run stays eager, with one warning. The next step's micro-batches are built in a background
-thread while this one trains (loader.Prefetcher).
+the encoder and decoder layers, or the whole step (train.compile_scope; pipeline/device/compiled.py: checkpoints
+unchanged); if compiling fails, the step is repeated eager and the run stays eager, with one warning. The next
+step's micro-batches are built in a background thread while this one trains (loader.Prefetcher).
 
 Beside it in pipeline/training: validation.py (the valid loss and perplexity), records.py (Progress, the plot rows,
 metrics/train.json, the STAGES_TRAIN_TRACE debug lines), params.py (params_hash); the run's Precision: pipeline/device/precision.py,
@@ -108,20 +108,25 @@ class Trainer(RunCheckpoints):
         self.code_hash = fingerprint.code_hash(self.code)
         distributed.check_same(self.code_hash, "code fingerprint (the project files train imports)", ctx)
         self.progress = self.resume()
-        # Compiled after resuming (load_state_dict on the plain module) and inside DDP, which stays eager.
-        # train.cuda_graphs: the same layers compiled, replayed as CUDA graphs (graphs.py).
+        # Compiled after resuming (load_state_dict on the plain module): the layers inside DDP, which stays eager,
+        # or the whole step, DDP included (compile_scope). train.cuda_graphs: the compiled graphs replayed as CUDA
+        # graphs (graphs.py).
+        scope = cfg.compile_scope if cfg.compile or cfg.cuda_graphs else None
         self.compiled = (compiled.compile_layers(self.model, graphs.mode(cfg.cuda_graphs))
-                         if cfg.compile or cfg.cuda_graphs else [])
-        # chunked: no [N, V] logits (model/loss.py), but with R-Drop (model/rdrop.py)
+                         if scope == "layers" else [])
+        # chunked: no [N, V] logits (model/loss.py), but with R-Drop (model/rdrop.py) and the whole step compiled
         self.loss_model: nn.Module = SmoothedLoss(self.model, cfg.label_smoothing, rdrop_alpha=cfg.rdrop_alpha,
-                                                        rdrop_fraction=cfg.rdrop_fraction)
+                                                  rdrop_fraction=cfg.rdrop_fraction, padded=scope == "step")
         if ctx.world > 1 or torch.distributed.is_initialized():  # a group of one too: bench.gpu.check times DDP
             self.loss_model = distributed.ddp(self.loss_model, ctx)  # no buffer sync per forward, on any torch
+        self.forward = compiled.compile_step(self.loss_model, graphs.mode(cfg.cuda_graphs)) if scope == "step" else None
+        if self.forward is not None:
+            self.compiled = [self.loss_model]  # what fallback() puts back: nothing but the callable, dropped there
         # Steps, validation and the rest of the process: the SDPA kernels chosen on CUDA (none changed on a CPU).
         self.attention_kernels = attention.use(ctx.device)
         log.info("attention: %s", self.attention_kernels)
         budget = plan.micro_batch_tokens(cfg.micro_batch_tokens, model_cfg, data.vocab_size, ctx.device,
-                                         rdrop.passes(cfg.rdrop_alpha, cfg.rdrop_fraction))
+                                         rdrop.passes(cfg.rdrop_alpha, cfg.rdrop_fraction), scope == "step")
         self.prefetch = Prefetcher(lambda share: data.micro_batches(*share, ctx.device, self.parts, budget), ctx.device)
         self.valid, left_out = data.valid_share(ctx.rank, ctx.world, model_cfg.max_positions, ctx.device)
         if left_out:
@@ -177,7 +182,7 @@ class Trainer(RunCheckpoints):
         if self.cfg.cuda_graphs and self.compiled:
             graphs.step_begins()
         loss_sum = self.compiled_or_eager(lambda: train_step(self.loss_model, self.optimizer, micro, int(T.sum()), lr,
-                                                             ctx, self.autocast, self.scaler))
+                                                             ctx, self.autocast, self.scaler, self.forward))
         p.step += 1
         p.train_tokens += int(T.sum())
         p.src_tokens += int(S.sum())
@@ -193,16 +198,18 @@ class Trainer(RunCheckpoints):
         A failure comes from a layer's forward, before any Adam update: the step's gradients so far are
         dropped and the RNGs (dropout) put back, so the repeat is the step eager would have trained.
         In a training step (`step`), the seconds and graphs spent compiling are added to the progress
-        (compile_seconds, compile_graphs), a failed compile's seconds too."""
+        (compile_seconds, compile_graphs), a failed compile's seconds too, and each recompile with its reasons."""
         if not self.compiled:
             return run()
         rng = ckpt.capture_rng()
         seconds, graphs = compiled.compile_totals()
+        cached = compiled.cache_counts()
         try:
-            return run()
+            with compiled.watch() as seen:
+                return run()
         except compiled.COMPILE_FAILURES as e:
             compiled.fallback(self.compiled, e)
-            self.compiled = []
+            self.compiled, self.forward = [], None
             zero_grads(self.optimizer, self.loss_model)
             ckpt.restore_rng(rng)
             return run()
@@ -211,6 +218,9 @@ class Trainer(RunCheckpoints):
                 now_seconds, now_graphs = compiled.compile_totals()
                 self.progress.compile_seconds += max(now_seconds - seconds, 0.0)
                 self.progress.compile_graphs += max(now_graphs - graphs, 0)
+                self.progress.recompiled(seen.reasons)
+                p = self.progress
+                p.compile_cache = [a + now - before for a, now, before in zip(p.compile_cache, compiled.cache_counts(), cached)]
 
     def validate(self) -> dict[str, float]:
         """Validation loss and perplexity of the current weights, over all ranks; kept in the progress."""

@@ -21,6 +21,7 @@ from bench.harness import decoding as gpu_decode
 from bench.harness import kernels as gpu_kernels
 from bench.harness import gpu as gpu_setup
 from bench.harness import steps as gpu_timing
+from model.dropout import Dropout
 from pipeline.core import config
 from pipeline.core.tracking import StageRun
 from pipeline.corpus import steps
@@ -156,28 +157,33 @@ def test_gpu_check_prints_the_reference_then_each_mode_on_its_own_corpus_then_de
     """--tiny (hidden): the same code with a small model on the CPU, so the GPU run meets no untried line."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setenv(compiled.BACKEND_ENV, "eager")  # dynamo without AOT autograd: the fastest compile there is
+    # Dropout as on a GPU (torch's, which dynamo traces; a CPU's mask of random words breaks the graph), so the
+    # step modes' graphs are those a GPU builds
+    monkeypatch.setattr(Dropout, "forward", lambda self, x: torch.nn.functional.dropout(x, self.p, self.training))
     torch._dynamo.reset()
     results = gpu_check.main(["--tiny", "--models", "base", "--steps", "2", "--sentences", "4"])
     torch._dynamo.reset()
     lines = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in lines] == [
         "base reference", "base reference inside", "base eager", "base eager inside", "base", "base compiled",
-        "base compiled inside", "base graphs", "base graphs inside", "base share", "base", "base"], lines
-    (reference, _, eager, eager_inside, save, comp, comp_inside, graphs, graphs_inside, share, decode_stage,
-     decode_fp32) = lines
+        "base compiled inside", "base graphs", "base graphs inside", "base step", "base step inside",
+        "base step-graphs", "base step-graphs inside", "base share", "base share step", "base", "base"], lines
+    (reference, _, eager, eager_inside, save, comp, comp_inside, graphs, graphs_inside, step, step_inside,
+     step_graphs, step_graphs_inside, share, share_step, decode_stage, decode_fp32) = lines
     r = results["base"]
     # The reference: the step's tokens in one fixed-shape micro-batch, the whole loss compiled.
     assert "1 x [32, 32] micro-batch" in reference and "under one torch.compile" in reference, reference
     assert r["reference"]["compiled"] and r["reference"]["warmup_graphs"] > 0
     assert r["reference"]["tokens_per_step"] == 1024
-    for line, mode in ((eager, "eager"), (comp, "compiled"), (graphs, "graphs")):
+    every = ((eager, "eager"), (comp, "compiled"), (graphs, "graphs"), (step, "step"), (step_graphs, "step-graphs"))
+    for line, mode in every:
         assert "target tokens/s" in line and "MFU" in line and "n/a peak" in line, line
         ratio = float(re.search(r", ([\d.]+)x of the reference \(", line)[1])
         assert ratio == pytest.approx(tokens_per_s(line) / tokens_per_s(reference), rel=0.02, abs=0.01), line
         assert "2 timed steps of a fresh corpus" in line and "in 2 batch(es) of batch.max_tokens 512" in line, line
         assert len(r[mode]["batches"]) == gpu_setup.WARMUP_STEPS + 2
     # Compile time apart from the timed steps' tokens/s, with the graphs compiled in each part.
-    for line, mode in ((comp, "compiled"), (graphs, "graphs")):
+    for line, mode in every[1:]:
         assert re.search(r"\(compile: 3 warm-up steps [\d.]+ s, [1-9]\d* graph\(s\); 0 graph\(s\) compiled during "
                          r"the timed steps;", line), line
         assert r[mode]["compiled"] and r[mode]["warmup_graphs"] > 0 and r[mode]["new_graphs"] == 0
@@ -186,10 +192,16 @@ def test_gpu_check_prints_the_reference_then_each_mode_on_its_own_corpus_then_de
     assert eager_inside == ("base eager inside: attention kernels: kernel names are CUDA-only; host syncs not checked "
                             "(CUDA only)"), eager_inside
     assert "timed steps' dynamo: 0 graph(s), 0 graph break(s), 0 recompile(s)" in comp_inside, comp_inside
-    assert "CUDA graphs: n/a (not CUDA)" in graphs_inside and "0 recompile(s)" in graphs_inside, graphs_inside
+    for inside in (graphs_inside, step_graphs_inside):
+        assert "CUDA graphs: n/a (not CUDA)" in inside and "0 recompile(s)" in inside, inside
+    assert "timed steps' dynamo: 0 graph(s), 0 graph break(s), 0 recompile(s)" in step_inside, step_inside
     assert r["graphs"]["cuda_graphs"] is None and r["eager"]["attention"] is None
+    # The step modes: the whole step one graph, no layer compiled on its own.
+    for mode in ("step", "step-graphs"):
+        assert r[mode]["compiled"] and r[mode]["warmup_graphs"] == 1, (mode, r[mode]["warmup_graphs"])
     # Each mode trained on a corpus of its own: other token ids, other batch shapes.
-    assert len({r[mode]["seed"] for mode in gpu_timing.MODES}) == len({r[mode]["corpus"] for mode in gpu_timing.MODES}) == 3
+    modes = gpu_timing.MODES
+    assert len({r[mode]["seed"] for mode in modes}) == len({r[mode]["corpus"] for mode in modes}) == len(modes) == 5
     assert set(r["eager"]["batch_shapes"]) != set(r["compiled"]["batch_shapes"])
     assert re.search(r"checkpoint [\d.]+ MiB saved in [\d.]+ s", save), save
     # One of 8 ranks' share of the eager step: each of the step's 2 batches cut into 4 row parts, rank 0's one
@@ -202,6 +214,10 @@ def test_gpu_check_prints_the_reference_then_each_mode_on_its_own_corpus_then_de
     assert part["parts"] == 4 and part["ranks"] == 8 and whole["parts"] == 1
     assert all(len(ids) == 2 for ids in part["batches"])  # the step's batches, of which it trains its share
     assert 0 < part["tokens_per_step"] < whole["tokens_per_step"] / 4  # a 1/8 share: about an eighth of the tokens
+    assert re.fullmatch(r"base share step: 1 of 8 GPUs: [\d,]+ target tokens/s, .* [\d.]+ h predicted \(compute "
+                        r"only, no all-reduce\)", share_step), share_step
+    assert r["share step"]["compiled"] and r["share step"]["parts"] == 4
+    assert r["share step"]["seed"] != r["share"]["seed"]
     seconds = part["tokens_per_step"] / part["tokens_per_s"]
     hours = float(re.search(r"on 8 GPUs: ([\d.]+) h", share)[1])
     assert hours == pytest.approx(gpu_check.preset("base", CPU, tiny=True).train_cfg.max_steps * seconds / 3600,

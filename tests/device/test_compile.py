@@ -1,8 +1,6 @@
 """train.compile: compiled layers train like eager ones, keep the checkpoint format, resume, and fall back to eager.
 
-Compiled here with backend aot_eager ($TRANSFORMER_COMPILE_BACKEND, pipeline/device/compiled.py): dynamo
-captures the layers and AOT autograd builds their forward and backward graphs, as with inductor, but runs them
-with aten kernels instead of building C++ (minutes on a shared 2-core CPU). The fallback is made to happen for
+Compiled here with backend aot_eager (the aot_eager fixture, tests/conftest.py). The fallback is made to happen for
 real: an unknown backend (torch.compile refuses it) and a backend whose compiler raises (dynamo's own failure).
 Shapes: over a stream of bucketed micro-batch shapes the layers build one graph per layer class, once (dynamo's
 counters), and a dimension of 1 a bounded few more.
@@ -30,17 +28,7 @@ from tests.train_fixtures import (FIRST_ID, MODEL, TRAIN, VOCAB, final_weights, 
 
 CPU = torch.device("cpu")
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(autouse=True)
-def _aot_eager(monkeypatch, tmp_path):
-    monkeypatch.setenv(compiled.BACKEND_ENV, "aot_eager")
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()  # reset() keeps dynamo's counters
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("one_thread", "aot_eager")
 
 
 def trained_steps(data: TrainingData, compile_: bool, steps: int) -> tuple[list[float], list[dict], dict]:

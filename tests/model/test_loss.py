@@ -356,6 +356,29 @@ def test_a_grain_leaves_the_loss_and_its_gradients_as_they_were(dtype):
         torch.testing.assert_close(g, w, rtol=tol["grad"], atol=tol["grad"] * float(w.abs().max()))
 
 
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_the_last_window_of_a_grain_takes_the_fused_chunk_too_counting_each_row_once(compiled_with, dtype):
+    """N = 50, chunks of 16 then the last 8 rows (6 counted before): both shapes through the compiled fused chunk,
+    one graph each (the skipped rows stay out of the graph: zeroed and left out of the sum after it), the loss
+    and gradients those of cross-entropy; no eager chunk, no warning."""
+    compiled_with("aot_eager")
+    hidden, weight, targets = inputs()
+    want = reference(hidden, weight, targets)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    chunk = loss_lib._chunk
+    with warnings.catch_warnings(), pytest.MonkeyPatch.context() as patch:
+        warnings.simplefilter("error")  # no fallback to eager
+        patch.setattr(loss_lib, "_chunk", lambda *a: pytest.fail(f"an eager chunk of {len(a[1])} rows"))
+        got = loss_and_grads(lambda h, w: loss_lib.ProjectedSmoothedLoss.apply(h, w, targets, EPS, dtype, CHUNK, True,
+                                                                                True, GRAIN), hidden, weight)
+    assert loss_lib._chunk is chunk
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 2  # 16 rows and 8 rows
+    tol = TOLERANCES[dtype]
+    torch.testing.assert_close(got[0], want[0], rtol=tol["loss"], atol=1e-5)
+    for g, w in zip(got[1:], want[1:]):
+        torch.testing.assert_close(g, w, rtol=tol["grad"], atol=tol["grad"] * float(w.abs().max()))
+
+
 def test_validation_with_a_grain_sums_each_row_once(monkeypatch):
     hidden, weight, targets = inputs()
     want = loss_lib.projected_smoothed_and_nll(hidden, weight, targets, EPS)

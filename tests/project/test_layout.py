@@ -87,6 +87,14 @@ def test_no_code_file_outside_tests_passes_the_line_limit():
     assert long == {}
 
 
+def test_every_package_is_one_the_install_lists():
+    """pyproject.toml's packages name every folder of code (a package a non-editable install would leave out)."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    assert {module_name(p) for p in code_files(*FLOORS) if p.name == "__init__.py"} == listed
+
+
 def test_no_test_module_imports_another_test_module():
     """Shared helpers live in fixture modules (tests/*_fixtures.py, conftest.py), never in a test module."""
     tests = {module_name(p) for p in (ROOT / "tests").rglob("test_*.py")}

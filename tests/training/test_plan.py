@@ -77,6 +77,23 @@ def test_the_activation_estimate_is_what_a_micro_batch_saves_for_backward(model)
     assert 1 / 1.25 < plan.activation_bytes(cfg) / measured < 1.25, (plan.activation_bytes(cfg), measured)
 
 
+def test_the_whole_logits_of_the_compiled_step_cost_what_the_plan_counts():
+    """SmoothedLoss(padded) (train.compile_scope = step) keeps the whole logits for backward: measured eagerly as
+    above, its growth a padded token beyond the real-rows loss's is WHOLE_LOGIT_BYTES a vocabulary entry (within
+    5%), and the budget of an 80 GB GPU shrinks by as much."""
+    torch.manual_seed(0)
+    vocab, rows, length = 2000, 8, 32
+    model = Transformer(ModelConfig(**MODEL), vocab)
+    growth = [(saved_bytes(SmoothedLoss(model, 0.1, padded=padded), 2 * rows, length)
+               - saved_bytes(SmoothedLoss(model, 0.1, padded=padded), rows, length)) / (rows * length)
+              for padded in (False, True)]
+    assert (growth[1] - growth[0]) / vocab == pytest.approx(plan.WHOLE_LOGIT_BYTES, rel=0.05)
+    cfg, vocab, _ = preset("wmt14_en_de_base")
+    per_token = [80 * GB * plan.MEMORY_SHARE / plan.tokens_for_memory(cfg, vocab, 80 * GB, whole_logits=whole)
+                 for whole in (False, True)]  # ~ bytes a token (weights aside)
+    assert per_token[1] > per_token[0] + plan.WHOLE_LOGIT_BYTES * vocab * 0.9
+
+
 def test_the_budget_is_the_param_when_set_else_whole_on_a_cpu(caplog):
     cfg = ModelConfig(**MODEL)
     with caplog.at_level(logging.INFO, logger="pipeline.training.plan"):

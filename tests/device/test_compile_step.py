@@ -1,0 +1,188 @@
+"""train.compile_scope = step: forward, loss and backward as one compiled graph (pipeline/device/compiled.py).
+
+It trains like eager (the same losses, gradients and weights to rounding, eager checkpoints), serves a stream of
+bucketed shapes with one graph (a single row: one more, its reason recorded), refuses R-Drop in one line, keeps
+inductor's graphs beside the checkpoints so that a resumed run loads them, and trains under DDP like one process.
+Backend aot_eager (the aot_eager fixture), but for the cache, which only inductor fills.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from model.config import ModelConfig
+from model.loss import SmoothedLoss
+from model.transformer import Transformer
+from pipeline.core.config import ParamsError, TrainConfig
+from pipeline.core.tracking import StageRun
+from pipeline.device import compiled, distributed
+from pipeline.training.loader import TrainingData
+from pipeline.training.trainer import Trainer
+from tests.train_fixtures import (FIRST_ID, MODEL, ROOT, TRAIN, VOCAB, final_weights, last_checkpoint, run_stage,
+                                  stage_args, stage_env, torchrun, write_corpus, write_params)
+
+CPU = torch.device("cpu")
+
+pytestmark = pytest.mark.usefixtures("one_thread", "aot_eager")
+
+
+def graphs() -> int:
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
+def steps_of(data: TrainingData, scope: str | None, steps: int) -> tuple[list[float], list[dict], dict, Trainer]:
+    """`steps` of the trainer's own step, eager (scope None) or compiled: losses, gradients, final weights."""
+    # adam_eps 1e-4: the key biases' gradient is 0 in exact arithmetic, its rounding noise differs with the loss's
+    # summation order (over the padded positions here), and the paper's 1e-9 turns that into whole-lr steps
+    cfg = TrainConfig(**{**TRAIN, "compile": scope is not None, "compile_scope": scope or "layers", "adam_eps": 1e-4})
+    trainer = Trainer(data, ModelConfig(**MODEL), cfg, 24, distributed.Dist(0, 1, 0, CPU), StageRun(), phash="")
+    assert (trainer.forward is not None) == (scope == "step") and not any(
+        "forward" in vars(layer) for layer in [*trainer.model.encoder, *trainer.model.decoder])  # no layer wrapped
+    grads: dict[str, torch.Tensor] = {}
+    for name, p in trainer.model.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda p, name=name: grads.__setitem__(name, p.grad.clone()))
+    losses, step_grads = [], []
+    for _ in range(steps):
+        losses.append(float(trainer.step(trainer.epoch_order())[0]))
+        step_grads.append(dict(grads))
+    return losses, step_grads, {k: v.clone() for k, v in trainer.model.state_dict().items()}, trainer
+
+
+def test_the_whole_step_compiled_trains_as_eager(tmp_path):
+    data = TrainingData.load(*write_corpus(tmp_path))
+    eager = steps_of(data, None, 4)
+    torch._dynamo.reset()
+    before = graphs()
+    comp = steps_of(data, "step", 4)
+    p = comp[3].progress
+    assert p.compile_graphs == graphs() - before >= 1 and p.compile_seconds > 0  # it compiled, counted apart
+    assert comp[0] == pytest.approx(eager[0], rel=1e-5)
+    for want, got in zip(eager[1], comp[1]):
+        assert got.keys() == want.keys() and want
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert comp[2].keys() == eager[2].keys()  # the eager module's own names: checkpoints as eager
+    for name in eager[2]:  # weights ~0.5: 4 Adam steps apart by rounding (measured: at most 3e-6)
+        torch.testing.assert_close(comp[2][name], eager[2][name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def batch(rows: int, s: int, t: int, rng: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """src [rows, s], tgt_in and labels [rows, t], the first row's last label padding."""
+    src, tgt_in, labels = (torch.randint(FIRST_ID, VOCAB, shape, generator=rng) for shape in
+                           ((rows, s), (rows, t), (rows, t)))
+    labels[0, -1] = 0
+    return src, tgt_in, labels
+
+
+def test_a_stream_of_shapes_builds_one_graph_and_a_single_row_one_more_with_its_reason():
+    """30 bucketed shapes (rows >= 2) twice: one graph, built on the first; then a batch of one row: one graph
+    more (torch specialises a size of 1), whose recompile and reason watch() records. Every loss equals the
+    loss over the real rows (SmoothedLoss as the layers and eager train it)."""
+    model = Transformer(ModelConfig(**MODEL), VOCAB)
+    forward, real = compiled.compile_step(SmoothedLoss(model, 0.1, padded=True)), SmoothedLoss(model, 0.1)
+    rng, order = torch.Generator().manual_seed(0), np.random.default_rng(0)
+    shapes = [(int(order.integers(2, 8)), int(order.integers(2, 15)), int(order.integers(2, 15))) for _ in range(30)]
+    for epoch in range(2):
+        for rows, s, t in shapes:
+            src, tgt_in, labels = batch(rows, s, t, rng)
+            tokens = int((labels != 0).sum())
+            forward(src, tgt_in, labels, tokens).backward()
+            assert graphs() == 1, f"graph {graphs()} at shape {(rows, s, t)}, epoch {epoch}"
+    with compiled.watch() as seen:
+        src, tgt_in, labels = batch(1, 6, 5, rng)
+        got = forward(src, tgt_in, labels, int((labels != 0).sum()))
+    assert graphs() == 2 and len(seen.reasons) == 1 and "src.size()[0]" in seen.reasons[0]
+    torch.testing.assert_close(got, real(src, tgt_in, labels, int((labels != 0).sum())), rtol=1e-5, atol=1e-5)
+
+
+def failing_compiler(gm, example_inputs):
+    raise RuntimeError("injected compiler failure")
+
+
+def test_a_whole_step_that_fails_to_compile_trains_eager_with_one_warning(tmp_path, caplog, monkeypatch):
+    """The compiler fails on the first step: one warning, the step repeated eager (its gradients dropped, the RNGs
+    put back) and the run eager from there: the weights of an eager run, to the rounding of the padded loss's sum."""
+    if "failing_step_for_tests" not in torch._dynamo.list_backends(exclude_tags=()):
+        torch._dynamo.register_backend(failing_compiler, name="failing_step_for_tests")
+    keys = dict(max_steps=3, checkpoint_every=0, eval_every=0, adam_eps=1e-4, model={"dropout": 0.1})
+    for root, compile_ in ((tmp_path / "eager", False), (tmp_path / "step", True)):
+        write_corpus(root)
+        monkeypatch.setenv(compiled.BACKEND_ENV, "failing_step_for_tests")
+        caplog.clear()
+        run_stage(root, write_params(root / "p.yaml", compile=compile_, compile_scope="step", **keys))
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "train.compile" in r.getMessage()]
+    assert len(warned) == 1 and "training eager instead" in warned[0] and "failing_step_for_tests" in warned[0]
+    want, got = final_weights(tmp_path / "eager"), final_weights(tmp_path / "step")
+    for name in want:  # the same dropout masks: a different mask would move them far more
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_rdrop_with_the_whole_step_compiled_is_refused_in_one_line(tmp_path):
+    write_corpus(tmp_path)
+    params = write_params(tmp_path / "p.yaml", compile=True, compile_scope="step", rdrop_alpha=1.0)
+    with pytest.raises(ParamsError, match=r"train.compile_scope = step .* train.rdrop_alpha = 1 .* "
+                                          r"train.compile_scope=layers"):
+        run_stage(tmp_path, params)
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_a_resumed_run_loads_the_compiled_graphs_from_the_cache_beside_the_checkpoints(tmp_path):
+    """Inductor for real (a C++ build: ~20 s for this one-layer model on 2 cores): the first run builds the whole
+    step's graphs and keeps them in compile_cache/ beside the checkpoints (not torch's default directory, which
+    torch sets on import); the resumed run, a new process, loads them and builds none. metrics/train.json counts
+    both (run totals), and its recompiles with their reasons."""
+    write_corpus(tmp_path)
+    keys = dict(compile=True, compile_scope="step", checkpoint_every=1, eval_every=0, model={"n_layers": 1})
+    env = stage_env(TRANSFORMER_COMPILE_BACKEND="inductor", MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'm.db'}")
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    metrics = []
+    for steps in (1, 2):
+        params = write_params(tmp_path / "p.yaml", max_steps=steps, **keys)
+        out = subprocess.run([sys.executable, "-m", "stages.train", *stage_args(tmp_path, params)], cwd=ROOT,
+                             env=env, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        metrics.append(json.loads((tmp_path / "metrics" / "train.json").read_text()))
+    assert "resuming from step 1" in out.stderr
+    first, resumed = metrics
+    assert first["compile_cache_misses"] > 0 and first["compile_cache_hits"] == 0  # built, into the run's cache
+    assert resumed["compile_cache_hits"] > 0 and resumed["compile_cache_misses"] == first["compile_cache_misses"]
+    assert (tmp_path / "compile_cache" / "fxgraph").is_dir()
+    for m in metrics:  # a recompile counted is a recompile explained
+        assert (m["compile_recompiles"] > 0) == bool(m["compile_recompile_reasons"])
+    assert set(last_checkpoint(tmp_path)["model"]) == set(
+        Transformer(ModelConfig(**{**MODEL, "n_layers": 1}), VOCAB).state_dict())  # an eager checkpoint
+
+
+def test_the_compile_cache_goes_beside_the_checkpoints_unless_the_user_chose_one(tmp_path, monkeypatch):
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    monkeypatch.setenv(compiled.CACHE_ENV, default_cache_dir())  # what torch sets on import
+    assert compiled.keep_cache(tmp_path / "compile_cache") == str((tmp_path / "compile_cache").resolve())
+    monkeypatch.setenv(compiled.CACHE_ENV, str(tmp_path / "mine"))  # the user's
+    assert compiled.keep_cache(tmp_path / "compile_cache") == str(tmp_path / "mine")
+
+
+def test_two_processes_with_the_whole_step_compiled_update_like_one_eager_process(tmp_path):
+    """DDP compiled whole (dynamo splits the graph at DDP's buckets) against one eager process taking the same
+    step in micro-batches: the same update, as test_train's two eager processes."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    for root, devices, micro, compile_ in ((one, 1, 12, False), (two, 2, 0, True)):
+        write_corpus(root, max_tokens=48)
+        write_params(root / "params.yaml", max_tokens=48, devices=devices, tokens_per_step=48, max_steps=4,
+                     checkpoint_every=0, eval_every=0, micro_batch_tokens=micro, adam_eps=1e-4, compile=compile_,
+                     compile_scope="step")
+    m1 = run_stage(one, one / "params.yaml")
+    out = torchrun(two, two / "params.yaml", 2, TRANSFORMER_COMPILE_BACKEND="aot_eager")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "the whole step compiled" in out.stderr and "training eager instead" not in out.stderr
+    m2 = json.loads((two / "metrics" / "train.json").read_text())
+    assert m2["devices"] == 2 and m2["compile_graphs"] >= 1 and m1["params_hash"] == m2["params_hash"]
+    a, b = final_weights(one), final_weights(two)
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
