@@ -1,8 +1,9 @@
 """train.compile_scope = step: forward, loss and backward as one compiled graph (pipeline/device/compiled.py).
 
-It trains like eager (the same losses, gradients and weights to rounding, eager checkpoints), serves a stream of
-bucketed shapes with one graph (a single row: one more, its reason recorded), refuses R-Drop in one line, keeps
-inductor's graphs beside the checkpoints so that a resumed run loads them, and trains under DDP like one process.
+It serves a stream of bucketed shapes with one graph (a single row: one more, its reason recorded), each loss that of
+the real rows; falls back to eager in one warning; refuses R-Drop in one line; keeps inductor's graphs beside the
+checkpoints so that a resumed run loads them; and under DDP trains the weights of one eager process (eager
+checkpoints, compiling counted apart).
 Backend aot_eager (the aot_eager fixture), but for the cache, which only inductor fills.
 """
 
@@ -20,57 +21,16 @@ import torch
 from model.config import ModelConfig
 from model.loss import SmoothedLoss
 from model.transformer import Transformer
-from pipeline.core.config import ParamsError, TrainConfig
-from pipeline.core.tracking import StageRun
-from pipeline.device import compiled, distributed
-from pipeline.training.loader import TrainingData
-from pipeline.training.trainer import Trainer
-from tests.train_fixtures import (FIRST_ID, MODEL, ROOT, TRAIN, VOCAB, final_weights, last_checkpoint, run_stage,
+from pipeline.core.config import ParamsError
+from pipeline.device import compiled
+from tests.train_fixtures import (FIRST_ID, MODEL, ROOT, VOCAB, final_weights, last_checkpoint, run_stage,
                                   stage_args, stage_env, torchrun, write_corpus, write_params)
-
-CPU = torch.device("cpu")
 
 pytestmark = pytest.mark.usefixtures("one_thread", "aot_eager")
 
 
 def graphs() -> int:
     return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
-
-
-def steps_of(data: TrainingData, scope: str | None, steps: int) -> tuple[list[float], list[dict], dict, Trainer]:
-    """`steps` of the trainer's own step, eager (scope None) or compiled: losses, gradients, final weights."""
-    # adam_eps 1e-4: the key biases' gradient is 0 in exact arithmetic, its rounding noise differs with the loss's
-    # summation order (over the padded positions here), and the paper's 1e-9 turns that into whole-lr steps
-    cfg = TrainConfig(**{**TRAIN, "compile": scope is not None, "compile_scope": scope or "layers", "adam_eps": 1e-4})
-    trainer = Trainer(data, ModelConfig(**MODEL), cfg, 24, distributed.Dist(0, 1, 0, CPU), StageRun(), phash="")
-    assert (trainer.forward is not None) == (scope == "step") and not any(
-        "forward" in vars(layer) for layer in [*trainer.model.encoder, *trainer.model.decoder])  # no layer wrapped
-    grads: dict[str, torch.Tensor] = {}
-    for name, p in trainer.model.named_parameters():
-        p.register_post_accumulate_grad_hook(lambda p, name=name: grads.__setitem__(name, p.grad.clone()))
-    losses, step_grads = [], []
-    for _ in range(steps):
-        losses.append(float(trainer.step(trainer.epoch_order())[0]))
-        step_grads.append(dict(grads))
-    return losses, step_grads, {k: v.clone() for k, v in trainer.model.state_dict().items()}, trainer
-
-
-def test_the_whole_step_compiled_trains_as_eager(tmp_path):
-    data = TrainingData.load(*write_corpus(tmp_path))
-    eager = steps_of(data, None, 4)
-    torch._dynamo.reset()
-    before = graphs()
-    comp = steps_of(data, "step", 4)
-    p = comp[3].progress
-    assert p.compile_graphs == graphs() - before >= 1 and p.compile_seconds > 0  # it compiled, counted apart
-    assert comp[0] == pytest.approx(eager[0], rel=1e-5)
-    for want, got in zip(eager[1], comp[1]):
-        assert got.keys() == want.keys() and want
-        for name in want:
-            torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
-    assert comp[2].keys() == eager[2].keys()  # the eager module's own names: checkpoints as eager
-    for name in eager[2]:  # weights ~0.5: 4 Adam steps apart by rounding (measured: at most 3e-6)
-        torch.testing.assert_close(comp[2][name], eager[2][name], rtol=1e-4, atol=1e-5, msg=name)
 
 
 def batch(rows: int, s: int, t: int, rng: torch.Generator) -> tuple[torch.Tensor, ...]:
@@ -183,6 +143,7 @@ def test_two_processes_with_the_whole_step_compiled_update_like_one_eager_proces
     assert out.returncode == 0, out.stderr[-3000:]
     assert "the whole step compiled" in out.stderr and "training eager instead" not in out.stderr
     m2 = json.loads((two / "metrics" / "train.json").read_text())
-    assert m2["devices"] == 2 and m2["compile_graphs"] >= 1 and m1["params_hash"] == m2["params_hash"]
+    assert m2["devices"] == 2 and m1["params_hash"] == m2["params_hash"]
+    assert m2["compile_graphs"] >= 1 and 0 < m2["compile_seconds"] < m2["step_seconds"]  # compiling counted apart
     a, b = final_weights(one), final_weights(two)
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
