@@ -55,9 +55,9 @@ gpu-check: install
 gpu-profile: install
 	$(BIN)/python -m bench.gpu.profile
 
-# train.compile and train.cuda_graphs against eager over 600 steps of one corpus, in windows of 100
+# train.compile and train.cuda_graphs (each layer, then the whole step) against eager over 600 steps of one corpus
 gpu-graphs: install
-	$(BIN)/python -m bench.gpu.graphs --modes compiled graphs
+	$(BIN)/python -m bench.gpu.graphs --modes compiled graphs step step-graphs
 
 clean:
 	rm -rf $(VENV)

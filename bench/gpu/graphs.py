@@ -1,4 +1,5 @@
-"""train.cuda_graphs over a run's stream of shapes: does recording each shape once pay back in the replays after it?
+"""train.compile and train.cuda_graphs over a run's stream of shapes: does compiling or recording each shape once pay
+back in the steps after it? (Modes: bench.harness.steps; make gpu-graphs times all four against eager.)
 
     python -m bench.gpu.graphs [--models base big] [--steps 600] [--window 100] [--json FILE]
 
@@ -23,12 +24,9 @@ from bench.harness import sync
 from bench.harness.gpu import arguments as gpu_arguments
 from bench.harness.gpu import (PRESETS, WARMUP_STEPS, Setup, fresh, gpu_or_tiny, preset, process_group,
                                 training_data)
-from bench.harness.steps import trainer
+from bench.harness.steps import MODES, records_graphs, trainer
 from pipeline.device import distributed, graphs
 from pipeline.training.loader import TrainingData
-
-MODES = ("eager", "compiled", "graphs")  # bench.harness.steps's
-
 
 def windows(s: Setup, data: TrainingData, ctx: distributed.Dist, mode: str, steps: int, window: int) -> list[dict]:
     """Trainer.step in `mode` over `data`'s epoch order: WARMUP_STEPS untimed, then `steps` in windows of `window`,
@@ -78,7 +76,7 @@ def report(name: str, runs: dict[str, list[dict]]) -> list[str]:
     lines, eager = [], runs["eager"]
     for mode in [m for m in runs if m != "eager"]:
         for e, o in zip(eager, runs[mode]):
-            recorded = ("" if mode != "graphs" else "; n/a (not CUDA)" if o["graphs"] is None else
+            recorded = ("" if not records_graphs(mode) else "; n/a (not CUDA)" if o["graphs"] is None else
                         f"; {o['graphs']} CUDA graph(s) recorded so far, pool {o['pool_bytes'] / 2**30:.2f} GiB")
             rate_e, rate_o = e["tokens"] / e["seconds"], o["tokens"] / o["seconds"]
             lines.append(f"{name} steps {o['steps'][0]}-{o['steps'][1]}: eager {rate_e:,.0f}, {mode} {rate_o:,.0f} "

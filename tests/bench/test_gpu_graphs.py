@@ -38,15 +38,15 @@ def test_each_mode_trains_the_same_batches_in_the_same_windows(monkeypatch, caps
     torch._dynamo.reset()
     out = tmp_path / "windows.json"
     results = gpu_graphs.main(["--tiny", "--models", "base", "--steps", "5", "--window", "2", "--modes", "compiled",
-                               "--json", str(out)])
+                               "step", "--json", str(out)])
     torch._dynamo.reset()
     r = results["base"]
-    assert set(r) == {"num_shapes", "eager", "compiled"} and r["num_shapes"] > 0
-    for mode in ("eager", "compiled"):
+    assert set(r) == {"num_shapes", "eager", "compiled", "step"} and r["num_shapes"] > 0
+    for mode in ("eager", "compiled", "step"):
         assert [w["steps"] for w in r[mode]] == [[1, 2], [3, 4], [5, 5]]  # the last window holds what is left
         assert all(w["epoch"] == 0 and w["seconds"] > 0 for w in r[mode])
     # The same corpus in the same order: every window trained the same target tokens in both modes.
-    assert [w["tokens"] for w in r["eager"]] == [w["tokens"] for w in r["compiled"]]
+    assert [w["tokens"] for w in r["eager"]] == [w["tokens"] for w in r["compiled"]] == [w["tokens"] for w in r["step"]]
     lines = [line for line in capsys.readouterr().out.splitlines() if not line.startswith("  ")]
     assert lines[0] == f"base: 5 steps of one fresh corpus, {r['num_shapes']} distinct batch shapes"
     for line, e, c in zip(lines[1:4], r["eager"], r["compiled"]):
@@ -54,4 +54,5 @@ def test_each_mode_trains_the_same_batches_in_the_same_windows(monkeypatch, caps
         assert ratio == pytest.approx((c["tokens"] / c["seconds"]) / (e["tokens"] / e["seconds"]), abs=0.01), line
     total_e, total_c = (sum(w["seconds"] for w in r[m]) for m in ("eager", "compiled"))
     assert lines[4].startswith(f"base all 5 timed steps: eager {total_e:.1f} s, compiled {total_c:.1f} s")
-    assert out.exists() and '"compiled"' in out.read_text()
+    assert lines[8].startswith("base all 5 timed steps: eager ") and ", step " in lines[8]  # the whole step, after
+    assert out.exists() and '"compiled"' in out.read_text() and '"step"' in out.read_text()
