@@ -112,16 +112,13 @@ class Trainer(RunCheckpoints):
         # or the whole step, DDP included (compile_scope). train.cuda_graphs: the compiled graphs replayed as CUDA
         # graphs (graphs.py).
         scope = cfg.compile_scope if cfg.compile or cfg.cuda_graphs else None
-        self.compiled = (compiled.compile_layers(self.model, graphs.mode(cfg.cuda_graphs))
-                         if scope == "layers" else [])
+        self.layers = compiled.compile_layers(self.model, graphs.mode(cfg.cuda_graphs)) if scope == "layers" else []
         # chunked: no [N, V] logits (model/loss.py), but with R-Drop (model/rdrop.py) and the whole step compiled
         self.loss_model: nn.Module = SmoothedLoss(self.model, cfg.label_smoothing, rdrop_alpha=cfg.rdrop_alpha,
                                                   rdrop_fraction=cfg.rdrop_fraction, padded=scope == "step")
         if ctx.world > 1 or torch.distributed.is_initialized():  # a group of one too: bench.gpu.check times DDP
             self.loss_model = distributed.ddp(self.loss_model, ctx)  # no buffer sync per forward, on any torch
         self.forward = compiled.compile_step(self.loss_model, graphs.mode(cfg.cuda_graphs)) if scope == "step" else None
-        if self.forward is not None:
-            self.compiled = [self.loss_model]  # what fallback() puts back: nothing but the callable, dropped there
         # Steps, validation and the rest of the process: the SDPA kernels chosen on CUDA (none changed on a CPU).
         self.attention_kernels = attention.use(ctx.device)
         log.info("attention: %s", self.attention_kernels)
@@ -140,6 +137,11 @@ class Trainer(RunCheckpoints):
                         "params_hash": phash,
                         "code_hash": self.code_hash,
                         "attention": ",".join(attention.choice(ctx.device) or ("cpu-default",))})
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the steps run compiled: the layers (compile_scope layers) or the whole step (step)."""
+        return bool(self.layers) or self.forward is not None
 
     def close(self) -> None:
         """Drop DDP before the process group ends (distributed.teardown): its reducer holds the group, and a group
@@ -208,8 +210,8 @@ class Trainer(RunCheckpoints):
             with compiled.watch() as seen:
                 return run()
         except compiled.COMPILE_FAILURES as e:
-            compiled.fallback(self.compiled, e)
-            self.compiled, self.forward = [], None
+            compiled.fallback(self.layers, e)
+            self.layers, self.forward = [], None
             zero_grads(self.optimizer, self.loss_model)
             ckpt.restore_rng(rng)
             return run()
