@@ -23,8 +23,11 @@ $(VENV)/.installed: requirements.lock pyproject.toml
 run: install
 	dvc repro
 
+# Two workers (pytest-xdist) share the cores: half the suite waits on processes, servers and files, not the CPU.
+# A test file stays on one worker (--dist loadfile), so a module's pipeline fixture runs once.
+TEST_WORKERS ?= 2
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 bench: install
 	$(BIN)/python -m bench.cpu.train_throughput

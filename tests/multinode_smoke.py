@@ -4,7 +4,7 @@
 
 Starts two torchrun processes as two nodes would (`--nnodes=2
 --nproc_per_node=1`, torchrun's c10d rendezvous at one 127.0.0.1 endpoint,
-gloo) on the tiny synthetic corpus of tests/train_fixtures.py, then the same
+gloo) on the tiny synthetic corpus of tests/fixtures/train.py, then the same
 params in one process (gradient accumulation 2: the same 48 tokens per step),
 and prints as its last line `max |w_2node - w_1proc| = X`; exits 1 when X
 exceeds TOLERANCE. tests/device/test_multinode.py runs the same functions.
@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tests.train_fixtures import ROOT, final_weights, stage_args, stage_env, write_corpus, write_params
+from tests.fixtures.train import ROOT, final_weights, stage_args, stage_env, write_corpus, write_params
 
 TOLERANCE = 1e-5  # float32 sums in another order (an all-reduce against an accumulation)
 

@@ -3,12 +3,12 @@
     make rehearse                       # python -m tests.rehearse [--workdir DIR]
     python -m tests.rehearse --small    # the tiny model, as tests/bench/test_rehearse.py runs it
 
-The real pipeline in a temporary git + DVC repo (tests/pipeline_fixtures.py):
+The real pipeline in a temporary git + DVC repo (tests/fixtures/pipeline_repo.py):
 params.yaml composed from conf/ with `experiment=wmt14_en_de_base` and the
 overrides printed at the start, then `dvc repro <stage>` for each of download,
 tokenize, batch, train, average, translate and evaluate in turn. The download
 names the preset's official URLs; CORPUS_MIRROR points at an HTTP server on
-127.0.0.1 serving a stand-in at the official layout (tests/wmt_standin.py: every
+127.0.0.1 serving a stand-in at the official layout (tests/fixtures/wmt_standin.py: every
 archive and member the preset reads, newstest2014 as SGML, a made-up lexicon
 large enough for 37000 BPE pieces). The model is the paper's base (N=6,
 d_model 512, 8 heads), trained by 8 processes (gloo on the CPU); only what a
@@ -52,9 +52,9 @@ import torch
 from pipeline.core.config import compose
 from pipeline.corpus.formats import SPLITS
 from pipeline.weights.checkpoint import complete_checkpoints, load_checkpoint
-from tests.http_fixtures import FileServer
-from tests.pipeline_fixtures import VENV_BIN, make_repo, write_params
-from tests.wmt_standin import Lexicon, stand_in
+from tests.fixtures.files_server import FileServer
+from tests.fixtures.pipeline_repo import VENV_BIN, make_repo, write_params
+from tests.fixtures.wmt_standin import Lexicon, stand_in
 
 EXPERIMENT = "wmt14_en_de_base"
 STAGES = ["download", "tokenize", "batch", "train", "average", "export", "translate", "evaluate"]

@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from pipeline.weights.checkpoint import complete_checkpoints, load_checkpoint
-from tests.pipeline_fixtures import ROOT, dvc
+from tests.fixtures.pipeline_repo import ROOT, dvc
 from tests.rehearse import STAGES, WEIGHTS_TOLERANCE, differences
 
 pytestmark = pytest.mark.slow

@@ -12,8 +12,8 @@ import yaml
 from stages import batch
 from pipeline.corpus.batching import bucket_grid, fill, make_batches, padded, padding_stats, shapes
 from pipeline.corpus.formats import ID_DTYPE, OFFSET_DTYPE, Ragged, load_batches, split_paths
-from tests.train_fixtures import TRAIN
-from tests.translation_fixtures import shared_store, store  # noqa: F401 (fixtures: one MLflow store per module)
+from tests.fixtures.train import TRAIN
+from tests.fixtures.translation import shared_store, store  # noqa: F401 (fixtures: one MLflow store per module)
 
 
 def random_lengths(rng: np.random.Generator, n: int, kind: str) -> tuple[np.ndarray, np.ndarray]:

@@ -22,8 +22,8 @@ from sacrebleu.dataset.fake_sgml import FakeSGMLDataset
 from pipeline.corpus import fetch, rawtext
 from stages import download
 from pipeline.core.config import ParamsError, load_all
-from tests.http_fixtures import FileServer
-from tests.translation_fixtures import shared_store, store  # noqa: F401 (fixtures: one MLflow store per module)
+from tests.fixtures.files_server import FileServer
+from tests.fixtures.translation import shared_store, store  # noqa: F401 (fixtures: one MLflow store per module)
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -15,7 +15,7 @@ from stages import tokenize
 from pipeline.core.config import ParamsError
 from pipeline.core.files import InputError, read_chunks
 from pipeline.corpus.formats import SPLITS, UNK_ID, load_split, read_meta
-from tests.translation_fixtures import shared_store, store  # noqa: F401 (fixtures: one MLflow store per module)
+from tests.fixtures.translation import shared_store, store  # noqa: F401 (fixtures: one MLflow store per module)
 
 EN = "a the man woman dog child red blue runs sits near under street park ball water big small green".split()
 DE = "ein der mann frau hund kind rot blau läuft sitzt neben unter straße park ball wasser groß klein grün".split()

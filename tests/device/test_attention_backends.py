@@ -17,7 +17,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from pipeline.core.config import ParamsError
 from pipeline.device import attention, distributed
 from stages import train
-from tests.train_fixtures import stage_args, write_corpus, write_params
+from tests.fixtures.train import stage_args, write_corpus, write_params
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")
 

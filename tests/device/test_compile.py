@@ -23,7 +23,7 @@ from pipeline.training.loader import TrainingData
 from pipeline.training.trainer import Trainer
 from pipeline.weights.checkpoint import load_model
 from stages import average
-from tests.train_fixtures import (FIRST_ID, MODEL, TRAIN, VOCAB, final_weights, last_checkpoint, run_stage,
+from tests.fixtures.train import (FIRST_ID, MODEL, TRAIN, VOCAB, final_weights, last_checkpoint, run_stage,
                                   write_corpus, write_params)
 
 CPU = torch.device("cpu")

@@ -17,7 +17,7 @@ from pipeline.core.tracking import StageRun
 from pipeline.device import compiled, distributed
 from pipeline.training.loader import TrainingData
 from pipeline.training.trainer import Trainer
-from tests.train_fixtures import MODEL, TRAIN, write_corpus
+from tests.fixtures.train import MODEL, TRAIN, write_corpus
 
 CPU = torch.device("cpu")
 

@@ -23,7 +23,7 @@ from model.loss import SmoothedLoss
 from model.transformer import Transformer
 from pipeline.core.config import ParamsError
 from pipeline.device import compiled
-from tests.train_fixtures import (FIRST_ID, MODEL, ROOT, VOCAB, final_weights, last_checkpoint, run_stage,
+from tests.fixtures.train import (FIRST_ID, MODEL, ROOT, VOCAB, final_weights, last_checkpoint, run_stage,
                                   stage_args, stage_env, torchrun, write_corpus, write_params)
 
 pytestmark = pytest.mark.usefixtures("one_thread", "aot_eager")

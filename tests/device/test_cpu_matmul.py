@@ -14,8 +14,8 @@ from mlflow.tracking import MlflowClient
 from pipeline.core.config import ParamsError
 from pipeline.device import attention, cpu_matmul, distributed, peak
 from pipeline.device.precision import of_choice
-from tests.cpu_fixtures import AUTOCAST, BF16, EPYC, ONEDNN, SKYLAKE, XEON, ZEN, as_cpu
-from tests.train_fixtures import final_weights, stage_args, write_corpus, write_params
+from tests.fixtures.cpu import AUTOCAST, BF16, EPYC, ONEDNN, SKYLAKE, XEON, ZEN, as_cpu
+from tests.fixtures.train import final_weights, stage_args, write_corpus, write_params
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 CTX = distributed.Dist(0, 1, 0, CPU)

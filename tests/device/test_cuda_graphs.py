@@ -19,7 +19,7 @@ from pipeline.core.tracking import StageRun
 from pipeline.device import compiled, distributed, graphs
 from pipeline.training.trainer import Trainer
 from stages import train
-from tests.train_fixtures import stage_args, write_corpus, write_params
+from tests.fixtures.train import stage_args, write_corpus, write_params
 
 CPU = torch.device("cpu")
 

@@ -21,7 +21,7 @@ from pipeline.device import distributed
 from pipeline.training.loader import TrainingData
 from pipeline.training.optimizer import zero_grads
 from pipeline.training.trainer import Trainer
-from tests.train_fixtures import MODEL, TRAIN, write_corpus
+from tests.fixtures.train import MODEL, TRAIN, write_corpus
 
 CPU = torch.device("cpu")
 

@@ -1,7 +1,7 @@
 """Several nodes: torchrun's c10d rendezvous over 127.0.0.1, resumes across world sizes, a node lost mid-run.
 
 Each "node" is its own torchrun process (tests/multinode_smoke.py), gloo, one
-training process per node, on the tiny corpus of tests/train_fixtures.py.
+training process per node, on the tiny corpus of tests/fixtures/train.py.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pipeline.device.precision import resolve
 from stages import train
 from tests.multinode_smoke import (TOLERANCE, final_weights, free_port, max_difference, node_processes,
                                    run_one_process, start_two_nodes)
-from tests.train_fixtures import MODEL, TRAIN, stage_args, torchrun, write_corpus, write_params
+from tests.fixtures.train import MODEL, TRAIN, stage_args, torchrun, write_corpus, write_params
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

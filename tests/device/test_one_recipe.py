@@ -18,8 +18,8 @@ from pipeline.device import cpu_matmul
 from pipeline.training.params import params_hash
 from pipeline.device.precision import of_choice, resolve
 from pipeline.weights.checkpoint import complete_checkpoints
-from tests.cpu_fixtures import AUTOCAST, EPYC, XEON, ZEN, as_cpu
-from tests.train_fixtures import MODEL, TRAIN, final_weights, run_stage, write_corpus, write_params
+from tests.fixtures.cpu import AUTOCAST, EPYC, XEON, ZEN, as_cpu
+from tests.fixtures.train import MODEL, TRAIN, final_weights, run_stage, write_corpus, write_params
 
 CPU = torch.device("cpu")
 RECIPE = {"rdrop_alpha": 5.0, "rdrop_fraction": 0.5, "cpu_matmul": "autocast"}  # one params file for every CPU

@@ -11,7 +11,7 @@ import torch
 from pipeline.device import peak
 from pipeline.device.distributed import Dist
 from pipeline.device.peak import Peak
-from tests.cpu_fixtures import EPYC
+from tests.fixtures.cpu import EPYC
 
 CPU = Dist(0, 1, 0, torch.device("cpu"))
 

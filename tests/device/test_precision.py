@@ -23,7 +23,7 @@ from pipeline.core.config import TrainConfig
 from pipeline.training.loader import Prefetcher, TrainingData, collate
 from pipeline.training.optimizer import build_optimizer, train_step
 from stages import train
-from tests.train_fixtures import MODEL, TRAIN, VOCAB, last_checkpoint, stage_args, write_corpus, write_params
+from tests.fixtures.train import MODEL, TRAIN, VOCAB, last_checkpoint, stage_args, write_corpus, write_params
 
 CPU = torch.device("cpu")
 

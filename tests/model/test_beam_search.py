@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from model.beam_search import Hypothesis, _top_extensions, beam_search, length_penalty, top_log_probs
-from tests.beam_fixtures import A, BOS, EOS, PAD, V, EosBias, sources, tiny_model
+from tests.fixtures.beam import A, BOS, EOS, PAD, V, EosBias, sources, tiny_model
 
 
 def rescore(model, src_row: torch.Tensor, tokens: list[int], alpha: float) -> tuple[float, float]:

@@ -13,7 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from model.beam_search import beam_search
-from tests.beam_fixtures import BOS, EOS, EosBias, sources, tiny_model
+from tests.fixtures.beam import BOS, EOS, EosBias, sources, tiny_model
 
 aten = torch.ops.aten
 READS = {aten._local_scalar_dense, aten.nonzero, aten.masked_select, aten.is_nonzero, aten.equal}

@@ -17,7 +17,7 @@ from model import loss as loss_lib
 from model import torch_loss
 from model.config import ModelConfig
 from model.transformer import Transformer
-from tests.train_fixtures import MODEL, VOCAB, write_corpus
+from tests.fixtures.train import MODEL, VOCAB, write_corpus
 
 N, D, V, CHUNK, EPS = 50, 8, 40, 16, 0.1  # N not a multiple of CHUNK: four chunks, the last one of 2 rows
 CPU = torch.device("cpu")

@@ -16,7 +16,7 @@ from model.rdrop import pair_terms, paired_rows, rdrop_loss
 from model.transformer import Transformer
 from pipeline.core.config import ParamsError, TrainConfig, parse
 from pipeline.training import plan
-from tests.train_fixtures import MODEL, TRAIN, VOCAB, final_weights, run_stage, write_corpus, write_params
+from tests.fixtures.train import MODEL, TRAIN, VOCAB, final_weights, run_stage, write_corpus, write_params
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 EPS = 0.1

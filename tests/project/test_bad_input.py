@@ -37,14 +37,14 @@ from pipeline.weights.checkpoint import CheckpointError, load_checkpoint, load_m
 from pipeline.core.config import DataConfig, ParamsError, TokenizeConfig, TrainConfig, compose, load
 from pipeline.core.files import InputError
 from stages.tokenize import tokenize
-from tests.http_fixtures import FileServer
-from tests.pipeline_fixtures import ROOT
-from tests.train_fixtures import TRAIN, stage_args
-from tests.train_fixtures import write_corpus as write_train_corpus
-from tests.train_fixtures import write_params as write_train_params
-from tests.translation_fixtures import MODEL_CONFIG, save_model, sentence_pairs, write_lines
-from tests.translation_fixtures import one_thread, shared_store, store  # noqa: F401 (fixtures)
-from tests.translation_fixtures import write_params as write_translate_params
+from tests.fixtures.files_server import FileServer
+from tests.fixtures.pipeline_repo import ROOT
+from tests.fixtures.train import TRAIN, stage_args
+from tests.fixtures.train import write_corpus as write_train_corpus
+from tests.fixtures.train import write_params as write_train_params
+from tests.fixtures.translation import MODEL_CONFIG, save_model, sentence_pairs, write_lines
+from tests.fixtures.translation import one_thread, shared_store, store  # noqa: F401 (fixtures)
+from tests.fixtures.translation import write_params as write_translate_params
 
 
 @pytest.fixture(autouse=True)
@@ -239,7 +239,7 @@ def test_a_changed_model_config_starts_training_afresh_and_says_so(tmp_path, cap
 def test_a_valid_pair_longer_than_the_model_is_left_out_of_validation_not_a_crash(tmp_path, caplog):
     """Valid is never length-filtered (stages.tokenize): a pair beyond model.max_positions must not stop training."""
     from pipeline.corpus.formats import batch_paths
-    from tests.train_fixtures import bucket, target_of, write_split
+    from tests.fixtures.train import bucket, target_of, write_split
 
     write_train_corpus(tmp_path)
     rng = np.random.default_rng(1)

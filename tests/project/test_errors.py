@@ -23,7 +23,7 @@ from pipeline.core import cli
 from pipeline.core.config import ParamsError, compose
 from pipeline.core.errors import PipelineError
 from pipeline.core.files import OutputError, atomic_dir
-from tests.train_fixtures import ROOT, stage_env, write_corpus, write_params
+from tests.fixtures.train import ROOT, stage_env, write_corpus, write_params
 
 
 def dvc_command(stage: str, cwd: Path) -> list[str]:

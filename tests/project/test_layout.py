@@ -96,11 +96,19 @@ def test_every_package_is_one_the_install_lists():
 
 
 def test_no_test_module_imports_another_test_module():
-    """Shared helpers live in fixture modules (tests/*_fixtures.py, conftest.py), never in a test module."""
+    """Shared helpers live in fixture modules (tests/fixtures/, conftest.py), never in a test module."""
     tests = {module_name(p) for p in (ROOT / "tests").rglob("test_*.py")}
     crossing = [f"{module_name(p)} imports {n}" for p in sorted((ROOT / "tests").rglob("*.py"))
                 for n in sorted(imported(p)) if n in tests or n.rsplit(".", 1)[0] in tests]
     assert crossing == []
+
+
+def test_shared_helpers_live_in_the_fixtures_folder():
+    """tests/ holds the test folders, conftest.py and the two rehearsals `make` runs; every shared helper module
+    is in tests/fixtures/."""
+    top = {p.name for p in (ROOT / "tests").glob("*.py")}
+    assert top <= {"__init__.py", "conftest.py", "rehearse.py", "multinode_smoke.py"}, sorted(top)
+    assert not list((ROOT / "tests" / "fixtures").glob("test_*.py"))
 
 
 def test_the_checks_see_what_they_guard(tmp_path):

@@ -11,8 +11,8 @@ import pytest
 
 from pipeline import progress as progress_module
 from pipeline.progress import progress_bar
-from tests.http_fixtures import FileServer
-from tests.pipeline_fixtures import dvc, make_repo, tiny_params, write_corpus, write_params
+from tests.fixtures.files_server import FileServer
+from tests.fixtures.pipeline_repo import dvc, make_repo, tiny_params, write_corpus, write_params
 
 
 def run_bar(stream, steps: int = 200, pause: float = 0.005) -> None:

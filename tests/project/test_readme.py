@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.http_fixtures import FileServer
-from tests.pipeline_fixtures import VENV_BIN, dvc, dvc_run, git_commit, make_repo, tiny_params, use_preset, write_corpus
+from tests.fixtures.files_server import FileServer
+from tests.fixtures.pipeline_repo import VENV_BIN, dvc, dvc_run, git_commit, make_repo, tiny_params, use_preset, write_corpus
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text(encoding="utf-8")

@@ -1,6 +1,6 @@
 """What MLflow and tools.report record of real `dvc repro` runs: each run holds its own results and no one else's.
 
-One temporary repo (tests/pipeline_fixtures.py), the default store (mlflow.db at its root), each run committed first
+One temporary repo (tests/fixtures/pipeline_repo.py), the default store (mlflow.db at its root), each run committed first
 so that its parent run is named by its commit:
 
     A  `dvc repro`                                   the whole pipeline: a BLEU
@@ -24,8 +24,8 @@ import sys
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.http_fixtures import FileServer
-from tests.pipeline_fixtures import ROOT, VENV_BIN, dvc_run, git_commit, make_repo, tiny_params, write_corpus, \
+from tests.fixtures.files_server import FileServer
+from tests.fixtures.pipeline_repo import ROOT, VENV_BIN, dvc_run, git_commit, make_repo, tiny_params, write_corpus, \
     write_params
 
 STAGES = ["download", "tokenize", "batch", "train", "average", "export", "translate", "evaluate"]

@@ -22,9 +22,9 @@ from mlflow.tracking import MlflowClient
 from pipeline.device import distributed
 from pipeline.core import lineage, signals, tracking
 from stages import evaluate, train
-from tests.http_fixtures import FileServer
-from tests.evaluate_fixtures import HYPS, REFS, write_split_files
-from tests.train_fixtures import ROOT, stage_args, stage_env, write_corpus, write_params
+from tests.fixtures.files_server import FileServer
+from tests.fixtures.evaluate import HYPS, REFS, write_split_files
+from tests.fixtures.train import ROOT, stage_args, stage_env, write_corpus, write_params
 
 
 @pytest.fixture(autouse=True)

@@ -2,7 +2,7 @@
 
 No WMT data here: every archive a preset names is written with the members the
 preset reads, filled with a few hundred aligned synthetic lines
-(tests/wmt_standin.py). Then download -> tokenize -> batch run on each preset's
+(tests/fixtures/wmt_standin.py). Then download -> tokenize -> batch run on each preset's
 composed params (tiny vocabulary), so the first user with the real files meets
 no path that never ran. tests/rehearse.py (make rehearse) runs all seven stages
 of the en-de base preset on a larger stand-in.
@@ -23,8 +23,8 @@ import yaml
 from pipeline.core.config import compose
 from pipeline.corpus.formats import SPLITS
 from stages import batch, download, tokenize
-from tests.http_fixtures import FileServer
-from tests.wmt_standin import local_urls, stand_in
+from tests.fixtures.files_server import FileServer
+from tests.fixtures.wmt_standin import local_urls, stand_in
 
 PRESETS = ["wmt14_en_de_base", "wmt14_en_fr_big"]  # en-de big reads the same files as en-de base
 LINES = {"train": 150, "valid": 20, "test": 20}

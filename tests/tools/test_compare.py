@@ -7,8 +7,8 @@ import os
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.evaluate_fixtures import HYPS, REFS, run
-from tests.translation_fixtures import shared_store, store  # noqa: F401 (fixtures)
+from tests.fixtures.evaluate import HYPS, REFS, run
+from tests.fixtures.translation import shared_store, store  # noqa: F401 (fixtures)
 from tools import compare
 
 MANY_REFS = {split: lines * 10 for split, lines in REFS.items()}  # 40 test sentences: enough for a bootstrap

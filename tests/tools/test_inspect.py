@@ -19,8 +19,8 @@ from model.transformer import Transformer
 from pipeline.weights.fingerprint import code_fingerprint, code_hash
 from pipeline.weights.checkpoint import save_checkpoint
 from pipeline.corpus.formats import batch_paths
-from tests.train_fixtures import write_split
-from tests.translation_fixtures import MODEL_CONFIG, TEST_EN, VALID_EN, save_model, tokenized_corpus, write_lines
+from tests.fixtures.train import write_split
+from tests.fixtures.translation import MODEL_CONFIG, TEST_EN, VALID_EN, save_model, tokenized_corpus, write_lines
 from tools.inspect import main
 
 PNG = b"\x89PNG\r\n\x1a\n"

@@ -11,8 +11,8 @@ import torch
 
 from pipeline.weights.checkpoint import load_model
 from pipeline.corpus.formats import load_split
-from tests.report_fixtures import log_pipeline_run, no_global_tracking_uri  # noqa: F401 (autouse fixture)
-from tests.translation_fixtures import make_corpus, one_thread, save_model, write_params  # noqa: F401 (fixture)
+from tests.fixtures.report import log_pipeline_run, no_global_tracking_uri  # noqa: F401 (autouse fixture)
+from tests.fixtures.translation import make_corpus, one_thread, save_model, write_params  # noqa: F401 (fixture)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

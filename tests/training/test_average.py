@@ -15,7 +15,7 @@ from model.transformer import Transformer
 from pipeline.weights import averaging
 from stages import average
 from pipeline.weights.checkpoint import save_checkpoint
-from tests.translation_fixtures import one_thread, shared_store, store  # noqa: F401 (fixtures)
+from tests.fixtures.translation import one_thread, shared_store, store  # noqa: F401 (fixtures)
 
 CONFIG = dict(n_layers=2, d_model=16, d_ff=32, n_heads=2, d_k=8, d_v=8, dropout=0.1,
               positional_encoding="sinusoidal", max_positions=64)

@@ -16,7 +16,7 @@ from model.transformer import Transformer
 from pipeline.weights.checkpoint import (CheckpointError, capture_rng, complete_checkpoints, fingerprint, load_checkpoint,
                                restore_rng, resume_point, save_checkpoint, sidecar)
 from stages import average
-from tests.train_fixtures import MODEL, VOCAB
+from tests.fixtures.train import MODEL, VOCAB
 
 
 def training_payload(step: int) -> dict:

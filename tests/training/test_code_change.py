@@ -18,8 +18,8 @@ from mlflow.tracking import MlflowClient
 
 from pipeline.weights import fingerprint
 from pipeline.weights.checkpoint import ACROSS_CODE_CHANGE_ENV, load_checkpoint, resume_point, save_checkpoint
-from tests.http_fixtures import FileServer
-from tests.pipeline_fixtures import dvc, dvc_run, make_repo, tiny_params, write_corpus, write_params
+from tests.fixtures.files_server import FileServer
+from tests.fixtures.pipeline_repo import dvc, dvc_run, make_repo, tiny_params, write_corpus, write_params
 
 pytestmark = pytest.mark.slow
 

@@ -42,13 +42,13 @@ from pipeline.core import tracking
 from stages import average, batch, download, evaluate, tokenize, train, translate
 from pipeline.weights.checkpoint import complete_checkpoints, load_checkpoint, sidecar
 from pipeline.core.config import compose
-from tests.http_fixtures import FileServer
-from tests.pipeline_fixtures import (VENV_BIN, MlflowServer, dvc, dvc_run, git_commit, make_repo, tiny_params,
+from tests.fixtures.files_server import FileServer
+from tests.fixtures.pipeline_repo import (VENV_BIN, MlflowServer, dvc, dvc_run, git_commit, make_repo, tiny_params,
                                      use_preset, write_corpus)
-from tests.train_fixtures import ROOT, stage_args, stage_env
-from tests.train_fixtures import write_corpus as write_train_corpus
-from tests.train_fixtures import write_params as write_train_params
-from tests.translation_fixtures import shared_store, store  # noqa: F401 (fixtures)
+from tests.fixtures.train import ROOT, stage_args, stage_env
+from tests.fixtures.train import write_corpus as write_train_corpus
+from tests.fixtures.train import write_params as write_train_params
+from tests.fixtures.translation import shared_store, store  # noqa: F401 (fixtures)
 
 DEV_FULL = Path("/dev/full")
 

@@ -1,6 +1,6 @@
 """End to end: `dvc repro` in a temporary git repo learns a tiny synthetic language pair.
 
-The corpus (tests/pipeline_fixtures.py): sentences of a small grammar (determiner,
+The corpus (tests/fixtures/pipeline_repo.py): sentences of a small grammar (determiner,
 adjective, noun, verb, determiner, adjective, noun) and their translation into
 a made-up language with its own lexicon and noun-before-adjective order. The
 files are served over real HTTP from 127.0.0.1 with pinned sha256, and every
@@ -24,8 +24,8 @@ import json
 import pytest
 import yaml
 
-from tests.http_fixtures import FileServer
-from tests.pipeline_fixtures import dvc, repo, tiny_params, write_corpus  # noqa: F401 (repo is a fixture)
+from tests.fixtures.files_server import FileServer
+from tests.fixtures.pipeline_repo import dvc, repo, tiny_params, write_corpus  # noqa: F401 (repo is a fixture)
 
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ from model.config import ModelConfig
 from model.transformer import Transformer
 from pipeline.core.config import TrainConfig
 from pipeline.training.optimizer import build_optimizer
-from tests.train_fixtures import MODEL, TRAIN, VOCAB, final_weights, run_stage, write_corpus, write_params
+from tests.fixtures.train import MODEL, TRAIN, VOCAB, final_weights, run_stage, write_corpus, write_params
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

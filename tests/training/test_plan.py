@@ -15,7 +15,7 @@ from model.transformer import Transformer
 from pipeline.core.config import compose, parse
 from pipeline.training import plan
 from pipeline.training.loader import TrainingData
-from tests.train_fixtures import MODEL, write_corpus
+from tests.fixtures.train import MODEL, write_corpus
 
 GB = 1e9
 CPU = torch.device("cpu")

@@ -29,7 +29,7 @@ from pipeline.device import distributed
 from pipeline.training.loader import TrainingData
 from pipeline.training.optimizer import build_optimizer, train_step
 from pipeline.training.trainer import Trainer
-from tests.train_fixtures import MODEL, TRAIN, VOCAB, write_corpus
+from tests.fixtures.train import MODEL, TRAIN, VOCAB, write_corpus
 
 CPU = torch.device("cpu")
 READS = {"_local_scalar_dense"}  # .item(), float(t), int(t), bool(t), `if t:`

@@ -34,7 +34,7 @@ from pipeline.weights.checkpoint import complete_checkpoints, load_checkpoint
 from pipeline.core.config import ParamsError
 from pipeline.corpus.formats import BOS_ID, EOS_ID, PAD_ID, load_batches, load_split
 from pipeline.training.loader import collate
-from tests.train_fixtures import (MODEL, ROOT, VOCAB, final_weights, last_checkpoint, run_stage, stage_args, stage_env,
+from tests.fixtures.train import (MODEL, ROOT, VOCAB, final_weights, last_checkpoint, run_stage, stage_args, stage_env,
                                   torchrun, write_corpus, write_params)
 
 

@@ -15,7 +15,7 @@ from model.beam_search import beam_search
 from pipeline.core.config import ParamsError, TranslateConfig, parse
 from pipeline.device import distributed
 from stages import translate
-from tests.beam_fixtures import BOS, EOS, V, sources, tiny_model
+from tests.fixtures.beam import BOS, EOS, V, sources, tiny_model
 
 
 class LinearWeights(TorchDispatchMode):
@@ -86,7 +86,7 @@ def test_auto_decodes_in_fp32_where_training_runs_bf16_and_a_setting_forces_anot
 
 def test_the_precision_bench_decodes_the_same_model_in_fp32_and_bf16_and_scores_both(tmp_path, capsys):
     from bench.decoding import precision as decode_precision
-    from tests.translation_fixtures import make_corpus, save_model
+    from tests.fixtures.translation import make_corpus, save_model
 
     raw, tokenized = make_corpus(tmp_path)
     results = decode_precision.main(["--model", str(save_model(tmp_path / "model", tokenized)), "--tokenized",

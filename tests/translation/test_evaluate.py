@@ -14,8 +14,8 @@ import pytest
 
 from pipeline.translation import scoring
 from stages import evaluate
-from tests.evaluate_fixtures import HYPS, REFS, run
-from tests.translation_fixtures import shared_store, store  # noqa: F401 (fixtures)
+from tests.fixtures.evaluate import HYPS, REFS, run
+from tests.fixtures.translation import shared_store, store  # noqa: F401 (fixtures)
 
 ROOT = Path(__file__).resolve().parents[2]
 SACREBLEU = Path(sys.executable).parent / "sacrebleu"

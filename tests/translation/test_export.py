@@ -23,9 +23,9 @@ from pipeline.export.spec import ExportError, write_ctranslate2
 from pipeline.weights.checkpoint import load_model
 from stages import export as export_stage
 from stages import translate
-from tests.export_fixtures import trained_model
-from tests.translation_fixtures import TEST_EN, TRANSLATE, make_corpus, sentence_pairs
-from tests.translation_fixtures import one_thread, shared_store, store  # noqa: F401 (fixtures)
+from tests.fixtures.export import trained_model
+from tests.fixtures.translation import TEST_EN, TRANSLATE, make_corpus, sentence_pairs
+from tests.fixtures.translation import one_thread, shared_store, store  # noqa: F401 (fixtures)
 
 ROOT = Path(__file__).resolve().parents[2]
 GREEDY = TranslateConfig(**{**TRANSLATE, "beam_size": 1, "length_penalty": 0.0})

@@ -21,8 +21,8 @@ from pipeline.core.files import InputError
 from pipeline.corpus import rawtext
 from pipeline.weights.checkpoint import load_model
 from pipeline.corpus.formats import load_spm, load_split
-from tests.translation_fixtures import TEST_EN, TRANSLATE, VALID_EN, make_corpus, save_model, write_params
-from tests.translation_fixtures import one_thread, shared_store, store  # noqa: F401 (fixtures)
+from tests.fixtures.translation import TEST_EN, TRANSLATE, VALID_EN, make_corpus, save_model, write_params
+from tests.fixtures.translation import one_thread, shared_store, store  # noqa: F401 (fixtures)
 
 ROOT = Path(__file__).resolve().parents[2]
 CFG = TranslateConfig(**TRANSLATE)
