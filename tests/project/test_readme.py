@@ -197,6 +197,7 @@ def closed_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_the_readme_commands_compare_experiments_and_undo_failed_runs(tmp_path):
     repo = make_repo(tmp_path / "repo")
     (repo / ".gitignore").write_text("/data/.cache/\n/mlflow.db\n")
