@@ -24,11 +24,10 @@ run: install
 	dvc repro
 
 # Two workers (pytest-xdist) share the cores: half the suite waits on processes, servers and files, not the CPU.
-# A test file stays on one worker (--dist loadfile), so a module's pipeline fixture runs once; the files come in
-# tests/conftest.py's order (the end-to-end ones first), not xdist's most-tests-first.
+# A test file stays on one worker (--dist loadfile), so a module's pipeline fixture runs once.
 TEST_WORKERS ?= 2
 test: install
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 bench: install
 	$(BIN)/python -m bench.cpu.train_throughput

@@ -17,18 +17,6 @@ os.environ.setdefault("DO_NOT_TRACK", "true")
 os.environ.setdefault("PIPELINE_VIEWS", "0")  # pipeline/core/views.py: on only where a test checks them
 
 
-def pytest_collection_modifyitems(items):
-    """The files with end-to-end (`slow`) tests first, then the others by their number of tests (pytest-xdist's own
-    order, off in `make test`): two workers taking a file at a time (--dist loadfile) then end together, instead of
-    one running a long single-test file alone at the end. Only the order of the files changes."""
-    files: dict = {}
-    for item in items:
-        files.setdefault(item.path, []).append(item)
-    slow = {item.path for item in items if item.get_closest_marker("slow")}
-    ordered = sorted(files, key=lambda path: (path not in slow, -len(files[path])))  # stable among equals
-    items[:] = [item for path in ordered for item in files[path]]
-
-
 @pytest.fixture(autouse=True)
 def _private_tracking_store(tmp_path, monkeypatch):
     """Each test gets its own sqlite MLflow store unless it sets another."""
