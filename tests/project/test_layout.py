@@ -7,6 +7,7 @@ itself back through others, no code file outside tests/ passes 400 lines, and no
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -108,7 +109,10 @@ def test_shared_helpers_live_in_the_fixtures_folder():
     is in tests/fixtures/."""
     top = {p.name for p in (ROOT / "tests").glob("*.py")}
     assert top <= {"__init__.py", "conftest.py", "rehearse.py", "multinode_smoke.py"}, sorted(top)
-    assert not list((ROOT / "tests" / "fixtures").glob("test_*.py"))
+    fixtures = ROOT / "tests" / "fixtures"
+    assert not list(fixtures.glob("test_*.py"))
+    indexed = set(re.findall(r"^    (\w+\.py) ", (fixtures / "__init__.py").read_text(), re.M))  # its index
+    assert indexed == {p.name for p in fixtures.glob("*.py")} - {"__init__.py"}
 
 
 def test_the_checks_see_what_they_guard(tmp_path):
