@@ -1,6 +1,6 @@
 """A rehearsal of the first GPU day, on a CPU: the wmt14_en_de_base preset through all seven stages, 8 processes.
 
-    make rehearse                       # python -m tests.rehearse [--workdir DIR]
+    make rehearse                       # python -m tests.rehearse [--workdir DIR] [--set KEY=VALUE ...]
     python -m tests.rehearse --small    # the tiny model, as tests/bench/test_rehearse.py runs it
 
 The real pipeline in a temporary git + DVC repo (tests/fixtures/pipeline_repo.py):
@@ -44,7 +44,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -262,8 +262,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", help="the tiny model and a smaller stand-in (the test's)")
     parser.add_argument("--workdir", type=Path, help="keep everything here (default: a temporary directory)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="one more override of the preset, e.g. train.ddp_static_graph=true (repeatable)")
     args = parser.parse_args(argv)
     plan = SMALL if args.small else FULL
+    plan = replace(plan, overrides=[*plan.overrides, *((o, "asked with --set") for o in args.set)])
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="rehearse-") as tmp:
         work = args.workdir or Path(tmp)

@@ -78,13 +78,9 @@ QUANTIZATIONS = ("none", "int8", "int8_float32", "int16", "bfloat16", "float16")
 
 @dataclass(frozen=True)
 class FileSource:
-    """One file the pipeline uses: its official URL and the sha256 it must have.
-
-    `member` is the path inside an archive URL (.tgz/.tar.gz/.tar), else null.
-    `sha256` is of the file itself, or of the member for an archive. null means
-    not pinned yet (only allowed over https; the download warns and records the
-    hash it saw).
-    """
+    """One file the pipeline uses: its official URL and the sha256 it must have. `member`: the path inside an
+    archive URL (.tgz/.tar.gz/.tar), else null. `sha256`: of the file, or of the member; null = not pinned yet (only
+    over https; the download warns and records the hash it saw)."""
 
     url: str = field(metadata={"format": "url"})
     member: str | None = field(metadata={"format": "member"})
@@ -172,10 +168,13 @@ class TrainConfig:
     rdrop_alpha: float = field(default=0.0, metadata={"range": "[0, inf)"})
     # the share of each batch's rows that pass twice with R-Drop (drawn anew each step); 1 = all of them
     rdrop_fraction: float = field(default=1.0, metadata={"range": "(0, 1]"})
-    # a CPU's matrix products: fp32 (the paper's; by oneDNN on AVX-512 without AMX, else torch's BLAS), blas, bf16,
-    # auto or autocast (conf/config.yaml says each; GPUs ignore it: pipeline/device/cpu_matmul.py). How a step
-    # computes, never what it trains: the run's Precision (pipeline/device/precision.py) is recorded and hashed
+    # a CPU's matrix products: fp32, blas, bf16, auto or autocast (conf/config.yaml says each; GPUs ignore it). How a
+    # step computes, never what it trains: the run's Precision (pipeline/device/precision.py) is recorded and hashed
     cpu_matmul: str = field(default="fp32", metadata={"choices": ("auto", "fp32", "blas", "bf16", "autocast")})
+    # DDP with devices > 1: bucket MiB, static_graph, the all-reduce's precision (docs/paper_scale.md, "The all-reduce")
+    ddp_bucket_mb: float = field(default=25.0, metadata={"range": "(0, inf)"})
+    ddp_static_graph: bool = field(default=False, metadata={})
+    grad_compression: str = field(default="none", metadata={"choices": ("none", "fp16", "bf16")})
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from pipeline.core import cli
@@ -187,14 +188,25 @@ def teardown(ctx: Dist) -> None:
         dist.destroy_process_group()
 
 
-def ddp(module: torch.nn.Module, ctx: Dist) -> DistributedDataParallel:
+# DDP's all-reduce cast to a half precision and back (torch's hooks); bf16's refuses a group without NCCL
+COMPRESSION_HOOKS = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
+
+
+def ddp(module: torch.nn.Module, ctx: Dist, bucket_mb: float = 25.0, static_graph: bool = False,
+        compression: str = "none") -> DistributedDataParallel:
     """`module` wrapped in DistributedDataParallel for this process's device, on whichever torch is installed
-    (ddp_keywords of its DistributedDataParallel.__init__)."""
-    keywords = ddp_keywords(inspect.signature(DistributedDataParallel.__init__).parameters, ctx)
-    return DistributedDataParallel(module, **keywords)
+    (ddp_keywords of its DistributedDataParallel.__init__), with train.ddp_bucket_mb, ddp_static_graph and
+    grad_compression (the hook registered before the first step)."""
+    keywords = ddp_keywords(inspect.signature(DistributedDataParallel.__init__).parameters, ctx, bucket_mb,
+                            static_graph)
+    model = DistributedDataParallel(module, **keywords)
+    if compression != "none":
+        model.register_comm_hook(None, COMPRESSION_HOOKS[compression])
+    return model
 
 
-def ddp_keywords(parameters: Collection[str], ctx: Dist) -> dict[str, object]:
+def ddp_keywords(parameters: Collection[str], ctx: Dist, bucket_mb: float = 25.0,
+                 static_graph: bool = False) -> dict[str, object]:
     """DistributedDataParallel's keywords for this process, given the names its __init__ takes (torch's version).
 
     No buffer sync before each forward: the only buffer is the positional table (model/transformer.py), the same
@@ -203,9 +215,11 @@ def ddp_keywords(parameters: Collection[str], ctx: Dist) -> dict[str, object]:
     skips the table's sync at the start: no matter, every rank computes the same table. gradient_as_bucket_view:
     gradients live in the all-reduce buckets instead of beside them (one copy less per step, and one gradient's
     memory less: 1 GB for big); the optimizer zeroes them in place to keep it so (optimizer.zero_grads).
+    bucket_cap_mb and static_graph: train.ddp_bucket_mb and ddp_static_graph (both keywords in 2.11 and 2.13).
     """
     no_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in parameters else {"broadcast_buffers": False}
-    return {"device_ids": [ctx.local_rank] if ctx.cuda else None, "gradient_as_bucket_view": True, **no_sync}
+    return {"device_ids": [ctx.local_rank] if ctx.cuda else None, "gradient_as_bucket_view": True,
+            "bucket_cap_mb": bucket_mb, "static_graph": static_graph, **no_sync}
 
 
 def all_sum(t: torch.Tensor, ctx: Dist) -> torch.Tensor:

@@ -51,13 +51,19 @@ def train_step(loss_model: nn.Module, optimizer: torch.optim.Optimizer, micro: l
     """
     scale = ctx.world / global_tokens
     total, forward = torch.zeros((), device=ctx.device), forward or loss_model
+    ddp = isinstance(loss_model, DistributedDataParallel)
+    # static_graph (train.ddp_static_graph): DDP records the graph in its first backward, which torch's reducer
+    # refuses under no_sync; so that step syncs every micro-batch (the same sum: all-reduce is linear), later ones once
+    first_static = ddp and loss_model.static_graph and not getattr(loss_model, "graph_recorded", False)
     for i, (batch, real) in enumerate(micro):
-        sync = i == len(micro) - 1 or not isinstance(loss_model, DistributedDataParallel)
+        sync = i == len(micro) - 1 or not ddp or first_static
         with (contextlib.nullcontext() if sync else loss_model.no_sync()), autocast:
             loss = forward(batch.src, batch.tgt_in, batch.labels, batch.tokens)
         scaler.scale(loss * (scale if real else 0.0)).backward()
         if real:
             total += loss.detach().float()
+    if first_static:
+        loss_model.graph_recorded = True
     for group in optimizer.param_groups:
         group["lr"] = lr
     scaler.step(optimizer)

@@ -117,7 +117,8 @@ class Trainer(RunCheckpoints):
         self.loss_model: nn.Module = SmoothedLoss(self.model, cfg.label_smoothing, rdrop_alpha=cfg.rdrop_alpha,
                                                   rdrop_fraction=cfg.rdrop_fraction, padded=scope == "step")
         if ctx.world > 1 or torch.distributed.is_initialized():  # a group of one too: bench.gpu.check times DDP
-            self.loss_model = distributed.ddp(self.loss_model, ctx)  # no buffer sync per forward, on any torch
+            self.loss_model = distributed.ddp(self.loss_model, ctx, cfg.ddp_bucket_mb, cfg.ddp_static_graph,
+                                              cfg.grad_compression)  # no buffer sync per forward, on any torch
         self.forward = compiled.compile_step(self.loss_model, graphs.mode(cfg.cuda_graphs)) if scope == "step" else None
         # Steps, validation and the rest of the process: the SDPA kernels chosen on CUDA (none changed on a CPU).
         self.attention_kernels = attention.use(ctx.device)

@@ -73,8 +73,12 @@ class WithBuffer(nn.Module):
 def test_the_keywords_chosen_for_each_torchs_ddp_bind_to_its_signature(names, no_sync):
     sig = signature(names)
     keywords = distributed.ddp_keywords(sig.parameters, distributed.Dist(0, 1, 0, CPU))
-    assert keywords == {"device_ids": None, "gradient_as_bucket_view": True, no_sync: False}
+    assert keywords == {"device_ids": None, "gradient_as_bucket_view": True, "bucket_cap_mb": 25.0,
+                        "static_graph": False, no_sync: False}
     sig.bind(None, nn.Linear(1, 1), **keywords)  # a keyword this torch lacks: TypeError
+    tuned = distributed.ddp_keywords(sig.parameters, distributed.Dist(0, 1, 0, CPU), bucket_mb=4.0, static_graph=True)
+    assert (tuned["bucket_cap_mb"], tuned["static_graph"]) == (4.0, True)
+    sig.bind(None, nn.Linear(1, 1), **tuned)
 
 
 def test_the_installed_torch_is_2_13s_ddp_and_the_helper_takes_its_path():
@@ -97,6 +101,19 @@ def test_ddp_skips_the_per_forward_buffer_sync_and_views_gradients_in_buckets_on
         model(torch.ones(4, 3)).sum().backward()  # a step through the reducer
         assert model.module.lin.weight.grad is not None
         del model
+
+
+def test_the_trainer_hands_its_ddp_params_to_ddp(tmp_path):
+    """train.ddp_bucket_mb, ddp_static_graph and grad_compression reach the DDP the trainer steps with."""
+    data = TrainingData.load(*write_corpus(tmp_path, n_train=8, n_valid=4))
+    cfg = TrainConfig(**{**TRAIN, "ddp_bucket_mb": 0.5, "ddp_static_graph": True, "grad_compression": "fp16"})
+    with gpu_check.process_group(CPU) as ctx:
+        trainer = Trainer(data, ModelConfig(**MODEL), cfg, 24, ctx, StageRun(), phash="")
+        ddp = trainer.loss_model
+        assert ddp.bucket_bytes_cap == int(0.5 * 2**20) and ddp.static_graph
+        assert ddp._comm_hooks[0][0] is distributed.COMPRESSION_HOOKS["fp16"]
+        trainer.step(trainer.epoch_order())
+        trainer.close()
 
 
 def test_the_trainer_builds_its_ddp_and_steps_on_torch_2_11s_keywords(tmp_path, monkeypatch):

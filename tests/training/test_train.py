@@ -427,6 +427,40 @@ def test_two_processes_update_like_one_process_with_the_same_global_batch(tmp_pa
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
 
 
+@pytest.mark.parametrize("ddp", [{"ddp_static_graph": True, "ddp_bucket_mb": 0.01}, {"grad_compression": "fp16"}],
+                         ids=["static-graph-small-buckets", "fp16-all-reduce"])
+def test_two_processes_under_ddps_settings_update_like_one_process(tmp_path, ddp):
+    """train.ddp_static_graph with micro-batches (its first step syncs each one) and 10 KiB buckets: the one
+    process's update, and its params_hash; train.grad_compression = fp16: the all-reduce rounded to fp16, so
+    the weights come near the one process's but not onto them, and the hash says it trained otherwise."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    for root, devices, settings in ((one, 1, {}), (two, 2, ddp)):
+        write_corpus(root, max_tokens=48)
+        write_params(root / "params.yaml", max_tokens=48, devices=devices, tokens_per_step=48, max_steps=4,
+                     checkpoint_every=0, eval_every=0, micro_batch_tokens=12, adam_eps=1e-4, **settings)
+    m1 = run_stage(one, one / "params.yaml")
+    out = torchrun(two, two / "params.yaml", 2)
+    assert out.returncode == 0, out.stderr[-3000:]
+    m2 = json.loads((two / "metrics" / "train.json").read_text())
+    assert "micro-batches of at most 12 padded tokens" in out.stderr  # each rank's half in 2 (no_sync on the first)
+    assert m1["train_tokens"] == m2["train_tokens"]
+    a, b = final_weights(one), final_weights(two)
+    gap = max((a[k] - b[k]).abs().max().item() for k in a)
+    print("largest weight difference", gap)
+    if "grad_compression" in ddp:
+        assert m1["params_hash"] != m2["params_hash"] and 0 < gap < 1e-2
+    else:
+        assert m1["params_hash"] == m2["params_hash"] and gap < 1e-5
+
+
+def test_bf16_gradient_compression_without_a_cuda_gpu_is_one_clear_line(tmp_path):
+    write_corpus(tmp_path)
+    params = write_params(tmp_path / "params.yaml", devices=2, grad_compression="bf16")
+    with pytest.raises(ParamsError, match=r"train\.grad_compression = bf16: .*NCCL.*set train\.grad_compression=fp16"):
+        run_stage(tmp_path, params)
+    assert not (tmp_path / "checkpoints").exists()
+
+
 def test_eight_processes_share_every_batch_once_agree_and_only_rank_0_writes(tmp_path):
     write_corpus(tmp_path, n_train=60)  # 15 batches: the epoch ends inside the second step of 8
     params = write_params(tmp_path / "params.yaml", devices=8, tokens_per_step=8 * 24, max_steps=3,
