@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     if cfg.cuda_graphs and not torch.cuda.is_available():
         raise config.ParamsError("train.cuda_graphs = true: CUDA graphs need a CUDA GPU and this machine has none "
                                  "(torch.cuda.is_available() is False); set train.cuda_graphs=false")
-    if cfg.grad_compression == "bf16" and cfg.devices > 1 and not torch.cuda.is_available():
+    if cfg.grad_compression == "bf16" and not torch.cuda.is_available():  # whatever the world (nodes of one process too)
         raise config.ParamsError("train.grad_compression = bf16: torch's bf16 all-reduce hook needs NCCL (CUDA GPUs) "
                                  "and this machine has none; set train.grad_compression=fp16 or none")
     if cfg.compile_scope == "step" and (cfg.compile or cfg.cuda_graphs) and cfg.rdrop_alpha > 0:
