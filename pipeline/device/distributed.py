@@ -197,16 +197,15 @@ def ddp(module: torch.nn.Module, ctx: Dist, bucket_mb: float = 25.0, static_grap
     """`module` wrapped in DistributedDataParallel for this process's device, on whichever torch is installed
     (ddp_keywords of its DistributedDataParallel.__init__), with train.ddp_bucket_mb, ddp_static_graph and
     grad_compression (the hook registered before the first step)."""
-    keywords = ddp_keywords(inspect.signature(DistributedDataParallel.__init__).parameters, ctx, bucket_mb,
-                            static_graph)
+    keywords = ddp_keywords(inspect.signature(DistributedDataParallel.__init__).parameters, ctx,
+                            bucket_mb=bucket_mb, static_graph=static_graph)
     model = DistributedDataParallel(module, **keywords)
     if compression != "none":
         model.register_comm_hook(None, COMPRESSION_HOOKS[compression])
     return model
 
 
-def ddp_keywords(parameters: Collection[str], ctx: Dist, bucket_mb: float = 25.0,
-                 static_graph: bool = False) -> dict[str, object]:
+def ddp_keywords(parameters: Collection[str], ctx: Dist, *, bucket_mb: float, static_graph: bool) -> dict[str, object]:
     """DistributedDataParallel's keywords for this process, given the names its __init__ takes (torch's version).
 
     No buffer sync before each forward: the only buffer is the positional table (model/transformer.py), the same

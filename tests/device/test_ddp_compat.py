@@ -72,7 +72,8 @@ class WithBuffer(nn.Module):
                          ids=["torch-2.13", "torch-2.11"])
 def test_the_keywords_chosen_for_each_torchs_ddp_bind_to_its_signature(names, no_sync):
     sig = signature(names)
-    keywords = distributed.ddp_keywords(sig.parameters, distributed.Dist(0, 1, 0, CPU))
+    keywords = distributed.ddp_keywords(sig.parameters, distributed.Dist(0, 1, 0, CPU), bucket_mb=25.0,
+                                        static_graph=False)
     assert keywords == {"device_ids": None, "gradient_as_bucket_view": True, "bucket_cap_mb": 25.0,
                         "static_graph": False, no_sync: False}
     sig.bind(None, nn.Linear(1, 1), **keywords)  # a keyword this torch lacks: TypeError
