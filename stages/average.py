@@ -11,6 +11,7 @@ belong together are refused, naming the files).
 
 data/model/ (replaced whole, atomically):
     model.pt        {"model", "model_config", "vocab_size", "steps", "params_hash"}
+    model.pt.sha256 its seal, as a checkpoint's (translate and export check it before reading the model)
     averaged.json   the steps and files averaged
 """
 
@@ -19,10 +20,9 @@ from __future__ import annotations
 import logging
 from dataclasses import asdict
 
-import torch
-
 from pipeline.core import cli, config, tracking
 from pipeline.weights.averaging import average_checkpoints
+from pipeline.weights.checkpoint import save_sealed
 from pipeline.core.config import AverageConfig
 from pipeline.core.files import atomic_dir, write_json
 
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> None:
         run.log_params({"average": asdict(cfg)})
         averaged, paths = average_checkpoints(args.checkpoints, cfg.last_n)
         with atomic_dir(args.out) as tmp:
-            torch.save(averaged, tmp / "model.pt")
+            save_sealed(tmp / "model.pt", averaged)
             write_json(tmp / "averaged.json", {"steps": averaged["steps"], "checkpoints": [p.name for p in paths]})
         log.info("averaged steps %s into %s", averaged["steps"], args.out / "model.pt")
         run.log_metrics({"averaged_checkpoints": len(paths), "first_step": averaged["steps"][0],

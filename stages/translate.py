@@ -22,7 +22,10 @@ recorded as the MLflow param `decode_precision` and in the log.
 
 Engine: translate.engine (or --engine) ctranslate2 decodes with the export stage's CTranslate2 model (data/export)
 instead, with the same tokenization, source cut, beam size and length limits, and the length penalty mapped
-(pipeline/export/engine.py says how); that path never imports torch.
+(pipeline/export/engine.py says how); that path never imports torch. The export is checked first
+(pipeline/export/seal.py): every file against its seal, and that it was made from --model's model.pt and with
+--tokenized's tokenizer; translate.precision is the project engine's, refused with this one (the export computes in
+export.quantization's type, recorded as decode_precision). The project engine checks model.pt against its seal.
 
 Interactive / piped use, same model, search and params:
 
@@ -53,7 +56,7 @@ from typing import Callable, Iterator
 import numpy as np
 import sentencepiece as spm
 
-from pipeline.core import cli, config, tracking
+from pipeline.core import checks, cli, config, tracking
 from pipeline.core.config import TranslateConfig
 from pipeline.corpus.rawtext import decode_line
 from pipeline.corpus.formats import DECODED_SPLITS, load_spm, load_split, read_meta
@@ -163,17 +166,25 @@ def ctranslate2_decoder(args: argparse.Namespace, cfg: TranslateConfig
     """The export stage's CTranslate2 model (data/export), without torch: (decode, sentencepiece, precision)."""
     from pipeline.export.engine import Ctranslate2Engine, default_threads
 
-    engine = Ctranslate2Engine(args.export, default_threads())
-    precision = f"ctranslate2 {engine.config['project']['quantization']}"
+    # checked first: the export's seal, and that it is the export of --model with --tokenized's tokenizer
+    engine = Ctranslate2Engine(args.export, default_threads(), args.model / "model.pt", args.tokenized / "spm.model")
+    precision = f"ctranslate2 {engine.compute_type}"  # the type CTranslate2 computes in here, not the one asked for
+    if engine.compute_type != (asked := engine.config["project"].get("compute_type", engine.compute_type)):
+        log.warning("%s was exported to compute in %s; CTranslate2 computes it in %s on this machine", args.export,
+                    asked, engine.compute_type)
     log.info("decoding with %s (%s)", args.export, precision)
     return (lambda sources, progress: engine.translate_ids(sources, cfg)), engine.sp, precision
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, default=Path("data/model"))
+    parser.add_argument("--model", type=Path, default=Path("data/model"),
+                        help="the average stage's model: decoded by the project engine; with --engine ctranslate2, "
+                             "the model the export must have been made from (checked)")
     parser.add_argument("--tokenized", type=Path, default=Path("data/tokenized"))
-    parser.add_argument("--export", type=Path, default=Path("data/export"), help="the export stage's model")
+    parser.add_argument("--export", type=Path, default=Path("data/export"),
+                        help="the export stage's model, decoded by --engine ctranslate2 (the project engine does not "
+                             "read it)")
     parser.add_argument("--raw", type=Path)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--stdin", action="store_true", help="translate stdin to stdout, one sentence per line")
@@ -185,6 +196,8 @@ def main(argv: list[str] | None = None) -> None:
     cli.setup_logging()
     cfg = config.load(args.params, "translate", TranslateConfig)
     cfg = replace(cfg, engine=args.engine or cfg.engine)
+    checks.check_file(args.params)
+    checks.translate_engine(cfg)  # --engine ctranslate2 with translate.precision set
     decode, sp, precision = (ctranslate2_decoder if cfg.engine == "ctranslate2" else project_decoder)(args, cfg)
     if args.stdin:
         translate_stdin(decode, sp, cfg)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import sys
 import types
 import typing
 import urllib.parse
@@ -70,6 +69,7 @@ FORMATS: dict[str, tuple[Callable[[str], bool], str]] = {
     "sha256": (re.compile(r"[0-9a-f]{64}").fullmatch, "64 lowercase hex digits"),
 }
 SEED = {"range": "[0, 4294967295]"}  # numpy's and torch's seeds
+SHARE = {"range": "[0, 1]"}
 QUANTIZATIONS = ("none", "int8", "int8_float32", "int16", "bfloat16", "float16")  # CTranslate2's, for a CPU or GPU
 
 
@@ -196,10 +196,21 @@ class TranslateConfig:
 
 
 @dataclass(frozen=True)
+class MinIdentical:  # per export.quantization: the least share of validation lines both engines decode alike
+    none: float = field(default=0.995, metadata=SHARE)
+    int8: float = field(default=0.85, metadata=SHARE)
+    int8_float32: float = field(default=0.85, metadata=SHARE)
+    int16: float = field(default=0.85, metadata=SHARE)
+    bfloat16: float = field(default=0.85, metadata=SHARE)
+    float16: float = field(default=0.85, metadata=SHARE)
+
+
+@dataclass(frozen=True)
 class ExportConfig:
     enabled: bool = field(metadata={})  # false: the export stage writes only a note saying so
     quantization: str = field(metadata={"choices": QUANTIZATIONS})  # model.bin's weights; none = float32, as trained
     check_lines: int = field(metadata={"range": "[0, inf)"})  # validation lines both engines decode; 0 = all
+    min_identical: MinIdentical = field(default_factory=MinIdentical, metadata={})  # below: the stage fails
 
 
 @dataclass(frozen=True)
@@ -344,16 +355,13 @@ def load_all(path: str | Path) -> dict[str, Any]:
     if unknown:
         raise ParamsError(f"{path}: unknown section(s) {unknown}; expected {list(SECTIONS)}")
     sections = {name: load(path, name, cls) for name, cls in SECTIONS.items()}
-    # Checked here, not by a stage: the train stage reading average.last_n would re-run training when it changes.
-    keep, last_n = sections["train"].keep_checkpoints, sections["average"].last_n
-    if keep < last_n:
-        raise ParamsError(f"{path}: train.keep_checkpoints = {keep}: expected at least average.last_n = {last_n}, "
-                          "or there are not enough checkpoints to average")
+    from pipeline.core import checks  # the rules between sections, which every stage checks too
+
+    checks.contradictions(sections, path)
     return sections
 
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
-HEADER = "# Composed from conf/ (the comments and paper citations live there):\n#   python -m pipeline.core.config --compose params.yaml\n"
 
 
 def compose(overrides: list[str] = (), conf_dir: str | Path = CONF_DIR) -> dict:
@@ -373,23 +381,11 @@ def compose(overrides: list[str] = (), conf_dir: str | Path = CONF_DIR) -> dict:
     return OmegaConf.to_container(cfg, resolve=True)
 
 
-USAGE = """usage: python -m pipeline.core.config [PARAMS]                     check a params file (default params.yaml)
-       python -m pipeline.core.config --compose PARAMS [OVERRIDE ...]  compose conf/ into PARAMS, then check it"""
-
-
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in ("-h", "--help"):
-        print(USAGE)
-        return
-    if argv and argv[0] == "--compose":
-        path, overrides = argv[1], argv[2:]
-        from pipeline.core.files import write_text
+    """python -m pipeline.core.config: check (or compose, then check) a params file (pipeline/core/checks.py)."""
+    from pipeline.core import checks
 
-        write_text(path, HEADER + yaml.safe_dump(compose(overrides), sort_keys=False))
-    path = argv[1] if argv and argv[0] == "--compose" else (argv[0] if argv else "params.yaml")
-    load_all(path)
-    print(f"{path}: OK ({', '.join(SECTIONS)})")
+    checks.main(argv)
 
 
 if __name__ == "__main__":

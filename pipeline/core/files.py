@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import codecs
 import contextlib
+import glob
+import hashlib
 import itertools
 import json
 import logging
@@ -23,6 +25,7 @@ from pipeline.core.errors import PipelineError
 
 log = logging.getLogger(__name__)
 
+SEAL_SUFFIX = ".sha256"  # a file's seal beside it: `sha256  name`, sha256sum's format (checkpoints, model.pt)
 CHUNK_LINES = 100_000  # text lines decoded at a time (read_chunks): memory bounded whatever the file's size
 
 
@@ -49,6 +52,20 @@ def _as_output_error(e: BaseException, path: Path, tmp: Path) -> BaseException:
         if not any(name == p or p in name.parents for p in (Path(os.path.abspath(q)) for q in (path, tmp))):
             return e
     return OutputError(e.errno, f"could not write {path}: {e.strerror or e}")
+
+
+def file_sha256(path: str | Path) -> str:
+    """The sha256 of a file's bytes, read 4 MiB at a time."""
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            sha.update(chunk)
+    return sha.hexdigest()
+
+
+def sidecar(path: Path) -> Path:
+    """The seal of `path`: `<name>.sha256` beside it."""
+    return path.with_name(path.name + SEAL_SUFFIX)
 
 
 def _umask() -> int:
@@ -103,14 +120,31 @@ def write_json(path: str | Path, obj: object) -> None:
     write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
+def _recover(path: Path) -> None:
+    """Undo what a killed atomic_dir(path) left: `.<name>.old` put back where `path` is missing (killed between the
+    two renames), else deleted; its `.<name>.*.tmp` folders (killed while writing) deleted. Each logged."""
+    old = path.with_name(f".{path.name}.old")
+    if old.exists() and not path.exists():
+        log.warning("restoring %s from %s, left by an interrupted run", path, old)
+        os.replace(old, path)
+    elif old.exists():
+        shutil.rmtree(old, ignore_errors=True)
+    for tmp in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
+        if tmp.is_dir() and not tmp.is_symlink():
+            log.warning("removing %s, left by an interrupted run", tmp)
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def atomic_dir(path: str | Path) -> Iterator[Path]:
     """Yield an empty temporary directory; on success it replaces `path` whole.
 
-    On any error the temporary directory is deleted and `path` is left as it was.
+    On any error the temporary directory is deleted and `path` is left as it was; what a kill left is undone first
+    (_recover).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    _recover(path)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:
         yield tmp

@@ -25,7 +25,6 @@ from pipeline.translation.decoding import translate_ids
 from pipeline.export.engine import Ctranslate2Engine
 from pipeline.translation.lengths import max_source_len
 
-MIN_IDENTICAL_FP32 = 0.995  # below this, a float32 export fails the stage
 MAX_TOKENS = 4000  # source tokens a batch, both engines (the default's translate.max_tokens; not read from params, so
                    # that a change of translate.max_tokens does not re-run the export)
 

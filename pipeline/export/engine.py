@@ -23,7 +23,6 @@ empty). How translate's params map onto CTranslate2's search:
 
 from __future__ import annotations
 
-import json
 import os
 from collections import defaultdict
 from pathlib import Path
@@ -32,10 +31,11 @@ from typing import Sequence
 import numpy as np
 import sentencepiece as spm
 
-from pipeline.core.config import TranslateConfig
+from pipeline.core.config import ParamsError, TranslateConfig
 from pipeline.core.files import InputError
 from pipeline.corpus.formats import EOS_ID
-from pipeline.translation.lengths import max_output_len, max_source_len
+from pipeline.export.seal import verify
+from pipeline.translation.lengths import max_output_len, max_source_len, warn_cut
 
 SPM_NAME = "spm.model"  # beside model.bin (pipeline/export/spec.py writes it)
 
@@ -45,27 +45,36 @@ def mapped_length_penalty(alpha: float, length: int) -> float:
     return alpha * length / (5 + length)
 
 
-def export_config(directory: Path) -> dict:
-    """The export's config.json, after checking the directory holds a whole export."""
-    for name in ("model.bin", "config.json", SPM_NAME):
-        if not (directory / name).is_file():
-            raise InputError(f"{directory / name}: missing; run the export stage (export.enabled: true) first")
-    config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
-    if "project" not in config:
-        raise InputError(f"{directory / 'config.json'}: not written by the export stage (no 'project' entry)")
-    return config
+QUANTIZED_AS = {"none": "float32"}  # export.quantization -> the compute type CTranslate2 is asked for (else the same)
+
+
+def computed_type(quantization: str, device: str = "cpu") -> str:
+    """The compute type CTranslate2 runs export.quantization = `quantization` in on this machine's `device`; a type it
+    would silently replace by another (int16 without Intel MKL, float16 or bfloat16 on most CPUs) is refused."""
+    import ctranslate2
+
+    wanted = QUANTIZED_AS.get(quantization, quantization)
+    supported = sorted(ctranslate2.get_supported_compute_types(device))
+    if wanted not in supported:
+        raise ParamsError(f"export.quantization = {quantization!r}: CTranslate2 cannot compute {wanted} on this "
+                          f"{device} and would compute another type under that name; it computes "
+                          f"{', '.join(supported)} here: set export.quantization to one of them (none = float32)")
+    return wanted
 
 
 class Ctranslate2Engine:
-    """The export's model on `threads` CPU threads (batches decoded side by side, one thread each), or a GPU."""
+    """The export's model on `threads` CPU threads (batches decoded side by side, one thread each), or a GPU; the
+    export checked first (pipeline/export/seal.py): its seal, and that it was made from `model_pt` with `spm_model`
+    where those are given. `compute_type`: the type CTranslate2 actually computes in (its Translator's)."""
 
-    def __init__(self, directory: Path, threads: int, compute_type: str = "default"):
+    def __init__(self, directory: Path, threads: int, model_pt: Path | None = None, spm_model: Path | None = None):
         import ctranslate2
 
-        self.config = export_config(Path(directory))
+        self.config = verify(Path(directory), model_pt, spm_model)
         device = "cuda" if ctranslate2.get_cuda_device_count() else "cpu"
-        self.translator = ctranslate2.Translator(str(directory), device=device, compute_type=compute_type,
+        self.translator = ctranslate2.Translator(str(directory), device=device, compute_type="default",
                                                  inter_threads=max(1, threads), intra_threads=1)
+        self.compute_type = self.translator.compute_type
         self.sp = spm.SentencePieceProcessor(model_file=str(Path(directory) / SPM_NAME))
         self.pieces = [self.sp.id_to_piece(i) for i in range(self.sp.get_piece_size())]
         self.ids = {piece: i for i, piece in enumerate(self.pieces)}
@@ -82,6 +91,7 @@ class Ctranslate2Engine:
         if limit < 0:
             raise InputError(f"translate.max_len_a = {cfg.max_len_a}, max_len_b = {cfg.max_len_b}: even an empty "
                              f"source's output limit exceeds the model's max_positions = {self.max_positions}")
+        warn_cut(sources, limit)
         groups: dict[int, list[int]] = defaultdict(list)
         for i, ids in enumerate(sources):
             if len(ids):

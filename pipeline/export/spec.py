@@ -1,6 +1,6 @@
 """The averaged Transformer as a CTranslate2 model: every weight mapped by name, nothing approximated.
 
-    directory = write_ctranslate2(model_dir, tokenized, out, quantization)   # model.bin, vocabularies, spm.model
+    write_ctranslate2(model, tokenized, out, quantization, about)   # model.bin, vocabularies, spm.model, seal.sha256
 
 CTranslate2's TransformerSpec (post-norm, ReLU, embeddings scaled by sqrt(d_model)) holds the project's model
 (model/transformer.py) weight for weight:
@@ -33,6 +33,7 @@ from model.transformer import Transformer
 from pipeline.core.errors import PipelineError
 from pipeline.corpus.formats import BOS_ID, EOS_ID, UNK_ID, load_spm
 from pipeline.export.engine import SPM_NAME
+from pipeline.export.seal import seal
 
 LAYER_NORM_EPSILON = 1e-5  # torch.nn.LayerNorm's
 
@@ -110,7 +111,8 @@ def build_spec(model: Transformer, pieces: list[str]):
 
 def write_ctranslate2(model: Transformer, tokenized: Path, out: Path, quantization: str, about: dict) -> None:
     """Write the CTranslate2 model of `model` into the directory `out` (made if need be): model.bin, the vocabulary,
-    config.json (CTranslate2's, plus `about`: where the model came from) and the sentencepiece model."""
+    config.json (CTranslate2's, plus `about`: where the model came from), the sentencepiece model, and the seal of
+    them all (seal.sha256, pipeline/export/seal.py)."""
     sp = load_spm(tokenized, model.embedding.num_embeddings)
     pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
     if len(set(pieces)) != len(pieces):
@@ -125,3 +127,4 @@ def write_ctranslate2(model: Transformer, tokenized: Path, out: Path, quantizati
     config["project"] = {**about, "max_positions": model.max_positions, "quantization": quantization,
                          "sentencepiece": SPM_NAME}
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    seal(out)  # last: an export without its seal is refused by every reader

@@ -21,7 +21,7 @@ from model.beam_search import Hypothesis, beam_search
 from model.transformer import Transformer
 from pipeline.core.config import ParamsError, TranslateConfig
 from pipeline.corpus.formats import BOS_ID, EOS_ID, PAD_ID
-from pipeline.translation.lengths import max_source_len
+from pipeline.translation.lengths import max_source_len, warn_cut
 from pipeline.progress import progress_bar
 from pipeline.device import distributed
 
@@ -103,8 +103,7 @@ def translate_ids(
         raise ParamsError(f"translate.max_len_a = {cfg.max_len_a}, max_len_b = {cfg.max_len_b}: even an empty source's "
                           f"output limit exceeds the model's max_positions = {model.max_positions}")
     lengths = np.fromiter((min(len(s), limit) + 1 for s in sources), dtype=np.int64, count=len(sources))
-    if truncated := sum(len(s) > limit for s in sources):  # Paper: no limit; ours is model.max_positions
-        log.warning("%d source sentence(s) longer than %d tokens are cut to fit model.max_positions", truncated, limit)
+    warn_cut(sources, limit)
 
     def search(batch: np.ndarray) -> list[Hypothesis]:
         rows = [torch.from_numpy(np.append(sources[i][:limit].astype(np.int64), EOS_ID)) for i in batch]

@@ -6,9 +6,13 @@ tokens, EOS included (at least 1), S the source's length with its EOS (model/bea
 
 from __future__ import annotations
 
+import logging
 import math
+from typing import Sequence
 
 from pipeline.core.config import TranslateConfig
+
+log = logging.getLogger(__name__)
 
 
 def max_source_len(max_positions: int, cfg: TranslateConfig) -> int:
@@ -21,3 +25,9 @@ def max_source_len(max_positions: int, cfg: TranslateConfig) -> int:
 def max_output_len(source_len: int, cfg: TranslateConfig) -> int:
     """Most output tokens, EOS included, for a source of `source_len` tokens (EOS included)."""
     return max(1, math.floor(cfg.max_len_a * source_len + cfg.max_len_b))
+
+
+def warn_cut(sources: Sequence, limit: int) -> None:
+    """Warn, once for the batch, of the sources longer than `limit` tokens, which both decoders cut to it."""
+    if cut := sum(len(s) > limit for s in sources):  # Paper: no limit; ours is model.max_positions
+        log.warning("%d source sentence(s) longer than %d tokens are cut to fit model.max_positions", cut, limit)

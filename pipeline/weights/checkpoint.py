@@ -5,7 +5,9 @@
     load_checkpoint(path) -> dict                         # torch.load(weights_only=True)
     load_sealed(path) -> dict                             # read once: checked against its sidecar, then loaded
     newest_sealed(directory) -> Iterator[(Path, dict)]    # newest first, each read once, broken ones skipped
-    load_model(model_dir, device) -> Transformer          # the average stage's model.pt, ready to translate
+    save_sealed(path, payload)                            # write, then seal (the average stage's model.pt too)
+    load_averaged(model_dir) -> dict                      # the average stage's model.pt, checked against its seal
+    load_model(model_dir, device) -> Transformer          # the same, ready to translate
     resume_point(directory, params_hash, code) -> Resume | None   # what a restarted run continues from
     fingerprint(obj, files) -> str                        # sha256 of a JSON-able object and files
     capture_rng() -> dict / restore_rng(state)            # torch (CPU, CUDA), numpy, random
@@ -41,15 +43,13 @@ from model.transformer import Transformer
 from pipeline.weights import faults
 from pipeline.core import signals
 from pipeline.core.errors import PipelineError
-from pipeline.core.files import InputError, atomic_file, write_text
+from pipeline.core.files import InputError, atomic_file, file_sha256, sidecar, write_text
 from pipeline.weights.fingerprint import changed_files
 
 log = logging.getLogger(__name__)
 
 ACROSS_CODE_CHANGE_ENV = "RESUME_ACROSS_CODE_CHANGE"  # =1: resume checkpoints of other code (recorded)
 NAME = re.compile(r"^step_(\d{8})\.pt$")
-SIDECAR_SUFFIX = ".sha256"
-HASH_CHUNK = 1 << 22
 
 
 class CheckpointError(PipelineError):
@@ -74,18 +74,6 @@ def checkpoint_name(step: int) -> str:
     return f"step_{step:08d}.pt"
 
 
-def sidecar(path: Path) -> Path:
-    return path.with_name(path.name + SIDECAR_SUFFIX)
-
-
-def file_sha256(path: str | Path) -> str:
-    sha = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(HASH_CHUNK):
-            sha.update(chunk)
-    return sha.hexdigest()
-
-
 def step_files(directory: str | Path) -> list[tuple[int, Path]]:
     """Every `step_XXXXXXXX.pt` in `directory` (sealed or not) as (step, path), oldest first."""
     directory = Path(directory)
@@ -101,15 +89,21 @@ def save_checkpoint(directory: str | Path, payload: dict, keep: int) -> Path:
         raise ValueError(f"save_checkpoint: keep must be at least 1, got {keep}")
     path = Path(directory) / checkpoint_name(int(payload["step"]))
     with signals.held():  # Ctrl-C inside torch.save's write callback would become its RuntimeError
-        with atomic_file(path, "wb") as f:
-            writer = _HashingWriter(f)
-            torch.save(payload, writer)
-            faults.inject("checkpoint_write", int(payload["step"]))  # tests only: killed, temporary file unrenamed
-        write_text(sidecar(path), f"{writer.sha.hexdigest()}  {path.name}\n")
+        save_sealed(path, payload, int(payload["step"]))
         for _, old in step_files(directory)[:-keep]:
             old.unlink(missing_ok=True)
             sidecar(old).unlink(missing_ok=True)
     return path
+
+
+def save_sealed(path: Path, payload: dict, step: int | None = None) -> None:
+    """torch.save `payload` to `path` atomically, then its sidecar (the same bytes, hashed as written)."""
+    with atomic_file(path, "wb") as f:
+        writer = _HashingWriter(f)
+        torch.save(payload, writer)
+        if step is not None:
+            faults.inject("checkpoint_write", step)  # tests only: killed, temporary file unrenamed
+    write_text(sidecar(path), f"{writer.sha.hexdigest()}  {path.name}\n")
 
 
 class UnsealedCheckpoint(CheckpointError):
@@ -190,12 +184,21 @@ def _reason(e: Exception) -> str:
     return " ".join(text.split()) or f"{type(e).__name__} (an empty or truncated file?)"
 
 
-def load_model(model_dir: str | Path, device: torch.device) -> Transformer:
-    """The averaged model of <model_dir>/model.pt (the average stage's output), in eval mode on `device`."""
+def load_averaged(model_dir: str | Path) -> dict:
+    """The average stage's <model_dir>/model.pt, read once and checked against its seal (model.pt.sha256)."""
     path = Path(model_dir) / "model.pt"
     if not path.exists():
         raise InputError(f"{path}: missing; run the average stage first")
-    saved = load_checkpoint(path)  # torch.load(weights_only=True); a refusal names the file
+    try:
+        return load_sealed(path)
+    except UnsealedCheckpoint as e:
+        raise CheckpointError(f"{path}: {e}; run `dvc repro average` (or python -m stages.average)") from None
+
+
+def load_model(model_dir: str | Path, device: torch.device, saved: dict | None = None) -> Transformer:
+    """The averaged model of <model_dir>/model.pt (the average stage's output; `saved`: its payload, already read by
+    load_averaged), in eval mode on `device`."""
+    saved, path = saved or load_averaged(model_dir), Path(model_dir) / "model.pt"
     try:
         model = Transformer(ModelConfig(**saved["model_config"]), saved["vocab_size"])
         model.load_state_dict(saved["model"])

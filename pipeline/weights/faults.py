@@ -6,7 +6,9 @@ kills the train stage while it writes the checkpoint of step 4 (the temporary
 file partly written, not yet renamed). Points, each called once where it
 happens: `step` (inside training step N, before its update), `checkpoint_write`
 (in pipeline.weights.checkpoint, after the payload went into the temporary file, before
-its flush and rename), `validation` (entering the validation run after step N).
+its flush and rename), `validation` (entering the validation run after step N), and the export stage's
+`export_written@0` (the export written and sealed in its temporary folder) and `export_checked@0` (checked, not yet
+moved into place).
 Several faults: `step@3,validation@6`. Unset or empty, inject() is one
 environment lookup: nothing else happens.
 """
@@ -18,7 +20,7 @@ import signal
 import sys
 
 ENV = "TRANSFORMER_FAULT"
-POINTS = ("step", "checkpoint_write", "validation")
+POINTS = ("step", "checkpoint_write", "validation", "export_written", "export_checked")  # export_*: @0
 
 
 def parse_spec(spec: str) -> set[tuple[str, int]]:

@@ -33,7 +33,8 @@ from pipeline.corpus import fetch
 from pipeline.translation import scoring
 from pipeline.core import tracking
 from stages import average, batch, download, evaluate, train, translate
-from pipeline.weights.checkpoint import CheckpointError, load_checkpoint, load_model, save_checkpoint, sidecar
+from pipeline.weights.checkpoint import (CheckpointError, load_checkpoint, load_model, save_checkpoint, save_sealed,
+                                         sidecar)
 from pipeline.core.config import DataConfig, ParamsError, TokenizeConfig, TrainConfig, compose, load
 from pipeline.core.files import InputError
 from stages.tokenize import tokenize
@@ -280,8 +281,8 @@ def test_a_checkpoint_holding_a_pickled_object_is_refused_and_nothing_runs(tmp_p
         average.main(["--checkpoints", str(tmp_path / "ckpt"), "--out", str(tmp_path / "model"),
                       "--params", str(tmp_path / "params.yaml")])
     (tmp_path / "model_dir").mkdir()
-    torch.save({"model": state, "model_config": MODEL_CONFIG, "vocab_size": 20, "evil": Payload(marker)},
-               tmp_path / "model_dir" / "model.pt")
+    save_sealed(tmp_path / "model_dir" / "model.pt",  # sealed: the seal passes, torch.load refuses
+                {"model": state, "model_config": MODEL_CONFIG, "vocab_size": 20, "evil": Payload(marker)})
     with pytest.raises(CheckpointError, match=rf"{tmp_path / 'model_dir' / 'model.pt'}: .*[Ww]eights only load failed"):
         load_model(tmp_path / "model_dir", torch.device("cpu"))
     assert not marker.exists() and not (tmp_path / "model").exists()
@@ -333,8 +334,8 @@ def test_a_tokenizer_from_another_run_is_refused_naming_it(tmp_path, long_lines)
     raw, tokenized, _ = long_lines
     model_dir = tmp_path / "model"
     model_dir.mkdir()
-    torch.save({"model": Transformer(ModelConfig(**MODEL_CONFIG), 99).state_dict(), "model_config": MODEL_CONFIG,
-                "vocab_size": 99}, model_dir / "model.pt")
+    save_sealed(model_dir / "model.pt", {"model": Transformer(ModelConfig(**MODEL_CONFIG), 99).state_dict(),
+                                         "model_config": MODEL_CONFIG, "vocab_size": 99})
     with pytest.raises(ValueError, match=r"spm\.model has 60 pieces but the model has a vocabulary of 99"):
         translate.main(["--model", str(model_dir), "--tokenized", str(tokenized), "--raw", str(raw),
                         "--out", str(tmp_path / "out"), "--params", str(write_translate_params(tmp_path / "p.yaml"))])
