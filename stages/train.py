@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
             data = TrainingData.load(args.tokenized, args.batches, batch.length_bucket_step)
             precision = resolve(cfg.cpu_matmul, ctx.device)  # once, for the hash, the trainer and the records
             log.info("%s", precision.line())
-            phash = params_hash(model_cfg, cfg, batch, args.tokenized, args.batches, precision.key)
+            phash = params_hash(model_cfg, cfg, batch, args.tokenized, args.batches, precision.key, ctx.world)
             distributed.check_same(phash, "params_hash (model, train, batch.max_tokens, the data and the precision)",
                                    ctx)
             trainer = Trainer(data, model_cfg, cfg, max_tokens, ctx, run, phash, args.checkpoints, args.plot,

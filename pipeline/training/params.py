@@ -32,13 +32,22 @@ NOT_WEIGHT_SHAPING = ("max_steps", "max_minutes", "eval_every", "log_every", "ch
                       "ddp_bucket_mb", "ddp_static_graph")
 
 
+def hashed_train(train_cfg: TrainConfig, world: int | None = None) -> dict:
+    """The train params params_hash holds: less NOT_WEIGHT_SHAPING, and grad_compression as none on a `world` of
+    one process (no all-reduce to round: the setting changes no arithmetic, so it does not discard a run there)."""
+    train = {k: v for k, v in asdict(train_cfg).items() if k not in NOT_WEIGHT_SHAPING}
+    if world == 1:
+        train["grad_compression"] = "none"
+    return train
+
+
 def params_hash(model_cfg: ModelConfig, train_cfg: TrainConfig, batch: BatchConfig, tokenized: Path,
-                batches: Path, precision: str) -> str:
-    """sha256 of what shapes the weights: model, train (less NOT_WEIGHT_SHAPING), batch.max_tokens and
+                batches: Path, precision: str, world: int | None = None) -> str:
+    """sha256 of what shapes the weights: model, train (hashed_train), batch.max_tokens and
     length_bucket_step (how batches are padded), the data, the stored batches per step, which the world size
     does not change (2 processes x 1 batch resume 1 process x 2, and the reverse), and the resolved `precision`
-    (Precision.key)."""
-    train = {k: v for k, v in asdict(train_cfg).items() if k not in NOT_WEIGHT_SHAPING}
+    (Precision.key). `world`: the run's processes (None: not known, grad_compression hashed as set)."""
+    train = hashed_train(train_cfg, world)
     step_batches = steps.batches_per_step(train_cfg.tokens_per_step, batch.max_tokens)
     files = [p for p in (tokenized / "meta.json", tokenized / "spm.model", *batch_paths(batches, "train")) if p.exists()]
     return ckpt.fingerprint({"model": asdict(model_cfg), "train": train, "batch.max_tokens": batch.max_tokens,

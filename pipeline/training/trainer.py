@@ -133,6 +133,7 @@ class Trainer(RunCheckpoints):
         self.peak = (peak.peak_flops(ctx, precision=self.precision) if ctx.is_main
                      else peak.Peak(0.0, 0.0, "", "", None))
         run.log_params({"model": asdict(model_cfg), "train": asdict(cfg), "batch.max_tokens": max_tokens,
+                        "batch.length_bucket_step": data.bucket_step,
                         "grad_accum": self.accum, "device": self.peak.device, "precision": self.precision.label,
                         "precision_key": self.precision.key,
                         "params_hash": phash,

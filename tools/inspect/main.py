@@ -14,6 +14,7 @@ go to --out, by default reports/inspect/<layout>/:
                    and per length bucket (batches.png); lengths from data/tokenized
     checkpoints    data/checkpoints: step, wall time, tokens, valid ppl, seal of each; those `average` takes
     model          data/model: parameters by component, the checkpoints averaged, the config
+    export         data/export: its seal and provenance checked (as translate checks them), quantization, files
     translations   data/translations: source / reference / hypothesis, the worst by sentence chrF,
                    length ratios (length_ratio.png), outputs that hit the length limit
     eval           metrics/eval.json: the metrics and signatures; sentence BLEU and chrF (sentences.csv,
@@ -46,6 +47,7 @@ log = logging.getLogger(__name__)
 # does not need.
 LAYOUTS: dict[str, tuple[str, str, str]] = {
     "eval": ("tools.inspect.output", "show_eval", "eval.json (metrics/eval.json, or the directory holding it)"),
+    "export": ("tools.inspect.export", "show_export", "model.bin and seal.sha256 (data/export)"),
     "tokenized": ("tools.inspect.tokens", "show_tokenized", "meta.json and spm.model (data/tokenized)"),
     "batches": ("tools.inspect.data", "show_batches", "{split}.index.npy and {split}.bounds.npy (data/batches)"),
     "checkpoints": ("tools.inspect.training", "show_checkpoints", "step_XXXXXXXX.pt files (data/checkpoints)"),
@@ -61,6 +63,7 @@ def detect(path: Path) -> str | None:
     texts = {m.group(1) for name in names if (m := TEXT_FILE.match(name))}
     by_files = {
         "eval": "eval.json" in names,
+        "export": {"model.bin", "seal.sha256", "disabled.json"} & names,
         "tokenized": {"meta.json", "spm.model"} & names,
         "batches": any(name.endswith((".index.npy", ".bounds.npy")) for name in names),
         "checkpoints": any(name.startswith("step_") and name.endswith(".pt") for name in names),
