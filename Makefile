@@ -46,7 +46,7 @@ inspect: install
 multinode-smoke: install
 	$(BIN)/python -m tests.multinode_smoke
 
-# The wmt14_en_de_base preset at the paper's model size through all seven stages, 8 processes (gloo), on a
+# The wmt14_en_de_base preset at the paper's model size through all eight stages, 8 processes (gloo), on a
 # stand-in corpus served from 127.0.0.1: per stage time and peak memory; last line: max |w_8proc - w_1proc| = X
 rehearse: install
 	$(BIN)/python -m tests.rehearse

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from model.config import ModelConfig
-from pipeline.core import checks, cli, config, tracking
+from pipeline.core import cli, config, tracking
 from pipeline.device import compiled, distributed
 from pipeline.core.config import BatchConfig, TrainConfig
 from pipeline.core.files import write_json
@@ -64,7 +64,6 @@ def main(argv: list[str] | None = None) -> None:
     if cfg.grad_compression == "bf16" and not torch.cuda.is_available():  # whatever the world (nodes of one process too)
         raise config.ParamsError("train.grad_compression = bf16: torch's bf16 all-reduce hook needs NCCL (CUDA GPUs) "
                                  "and this machine has none; set train.grad_compression=fp16 or none")
-    checks.check_file(args.params)  # compile_scope step with R-Drop, and the other contradictions
     if cfg.compile or cfg.cuda_graphs:  # the compiled graphs kept beside the checkpoints: a resume loads them
         compiled.keep_cache(Path(args.checkpoints).parent / COMPILE_CACHE)
     if cfg.devices > 1 and not distributed.launched_by_torchrun():

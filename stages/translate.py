@@ -196,7 +196,6 @@ def main(argv: list[str] | None = None) -> None:
     cli.setup_logging()
     cfg = config.load(args.params, "translate", TranslateConfig)
     cfg = replace(cfg, engine=args.engine or cfg.engine)
-    checks.check_file(args.params)
     checks.translate_engine(cfg)  # --engine ctranslate2 with translate.precision set
     decode, sp, precision = (ctranslate2_decoder if cfg.engine == "ctranslate2" else project_decoder)(args, cfg)
     if args.stdin:

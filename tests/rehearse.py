@@ -1,4 +1,4 @@
-"""A rehearsal of the first GPU day, on a CPU: the wmt14_en_de_base preset through all seven stages, 8 processes.
+"""A rehearsal of the first GPU day, on a CPU: the wmt14_en_de_base preset through all eight stages, 8 processes.
 
     make rehearse                       # python -m tests.rehearse [--workdir DIR] [--set KEY=VALUE ...]
     python -m tests.rehearse --small    # the tiny model, as tests/bench/test_rehearse.py runs it
@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> None:
             say(f"model: {params['model']}; tokenize.vocab_size {params['tokenize']['vocab_size']}; train.devices "
                 f"{params['train']['devices']}; CORPUS_MIRROR={server.url()}")
             total = run_stages(repo, env, logs)
-        say("stage " + total.line("all seven (peak: the largest stage)"))
+        say("stage " + total.line("all eight (peak: the largest stage)"))
         averaged = json.loads((repo / "data" / "model" / "averaged.json").read_text())
         scores = json.loads((repo / "metrics" / "eval.json").read_text())
         say(f"average: {len(averaged['checkpoints'])} checkpoints (steps {averaged['steps']}); "

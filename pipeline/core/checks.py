@@ -1,27 +1,53 @@
-"""The rules between params, checked before any stage runs: contradictions refused with one line naming both keys.
+"""What params mean together: conf/ composed into one params file, and the rules between its sections.
 
-    python -m pipeline.core.config params.yaml     # every section, then these rules (load_all)
-    check_file(params)                             # what each stage checks first (cli.start), on the sections present
+    compose(["experiment=multi30k_tiny"]) -> dict   # conf/config.yaml with Hydra overrides, as `dvc exp run -S`
+    contradictions(sections, path)                   # refuse params that contradict each other, naming both keys
 
-Each rule is one that a stage would otherwise refuse only once it runs, after the stages before it have run:
-train.keep_checkpoints below average.last_n, compile_scope step with R-Drop, translate.engine ctranslate2 without an
-export or with the project engine's translate.precision.
+The rules are checked before any stage runs: by `python -m pipeline.core.config` (config.load_all) and by every
+stage first (config.check_file, on the sections its params file holds), so that a contradiction a stage would refuse
+only once it runs is refused before the stages ahead of it have run: train.keep_checkpoints below average.last_n,
+compile_scope step with R-Drop, translate.engine ctranslate2 without an export, or with the project engine's
+translate.precision. Imports no other module of pipeline.core but errors (pipeline/core/config.py imports this one).
 """
 
 from __future__ import annotations
 
-import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
+from pipeline.core.errors import ParamsError
 
-from pipeline.core.config import SECTIONS, ParamsError, compose, load_all, parse, read_yaml
-
-HEADER = ("# Composed from conf/ (the comments and paper citations live there):\n"
-          "#   python -m pipeline.core.config --compose params.yaml\n")
-USAGE = """usage: python -m pipeline.core.config [PARAMS]                     check a params file (default params.yaml)
-       python -m pipeline.core.config --compose PARAMS [OVERRIDE ...]  compose conf/ into PARAMS, then check it"""
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 RULED = ("train", "average", "export", "translate")  # the sections the rules read
+SHARE = {"range": "[0, 1]"}
+
+
+@dataclass(frozen=True)
+class MinIdentical:  # export.min_identical: per export.quantization, the least share of validation lines both
+    # engines decode alike (conf/config.yaml says where the defaults were measured)
+    none: float = field(default=0.995, metadata=SHARE)
+    int8: float = field(default=0.9, metadata=SHARE)
+    int8_float32: float = field(default=0.9, metadata=SHARE)
+    int16: float = field(default=0.9, metadata=SHARE)
+    bfloat16: float = field(default=0.9, metadata=SHARE)
+    float16: float = field(default=0.9, metadata=SHARE)
+
+
+def compose(overrides: list[str] = (), conf_dir: str | Path = CONF_DIR) -> dict:
+    """Compose conf/config.yaml with Hydra overrides, as `dvc exp run -S` does."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+
+    conf_dir = Path(conf_dir).resolve()
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir), version_base=None):
+            cfg = hydra_compose(config_name="config", overrides=list(overrides))
+    except HydraException as e:
+        presets = {g.name: sorted(p.stem for p in g.glob("*.yaml")) for g in sorted(conf_dir.iterdir()) if g.is_dir()}
+        raise ParamsError(f"{conf_dir}: cannot compose {list(overrides)}: {e}; presets: {presets}") from None
+    return OmegaConf.to_container(cfg, resolve=True)
 
 
 def translate_engine(translate) -> None:
@@ -33,7 +59,7 @@ def translate_engine(translate) -> None:
 
 
 def contradictions(sections: dict, path: str | Path) -> None:
-    """Refuse params that contradict each other (`sections`: {name: dataclass}, those present)."""
+    """Refuse params that contradict each other (`sections`: {name: its dataclass}, those present)."""
     train, average, export, translate = (sections.get(name) for name in RULED)
     try:
         # Checked here, not by a stage: the train stage reading average.last_n would re-run training when it changes.
@@ -51,31 +77,3 @@ def contradictions(sections: dict, path: str | Path) -> None:
             translate_engine(translate)
     except ParamsError as e:
         raise ParamsError(f"{path}: {e}") from None
-
-
-def check_file(path: str | Path) -> None:
-    """The rules on a params file's sections that are present (a stage's start); a missing file is the stage's to
-    report."""
-    if not Path(path).is_file():
-        return
-    raw = read_yaml(path)
-    try:
-        sections = {name: parse(raw, name, SECTIONS[name]) for name in RULED if name in raw}
-    except ParamsError as e:
-        raise ParamsError(f"{path}: {e}") from None
-    contradictions(sections, path)
-
-
-def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in ("-h", "--help"):
-        print(USAGE)
-        return
-    if argv and argv[0] == "--compose":
-        path, overrides = argv[1], argv[2:]
-        from pipeline.core.files import write_text
-
-        write_text(path, HEADER + yaml.safe_dump(compose(overrides), sort_keys=False))
-    path = argv[1] if argv and argv[0] == "--compose" else (argv[0] if argv else "params.yaml")
-    load_all(path)
-    print(f"{path}: OK ({', '.join(SECTIONS)})")

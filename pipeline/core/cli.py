@@ -48,9 +48,6 @@ def start(doc: str, argv: list[str] | None, *paths: str) -> argparse.Namespace:
     """What a stage's main() begins with: parse its path arguments (see stage_parser), then log with timestamps."""
     args = stage_parser(doc, *paths).parse_args(argv)
     setup_logging()
-    from pipeline.core import checks  # contradicting params: refused by whichever stage runs first
-
-    checks.check_file(args.params)
     return args
 
 

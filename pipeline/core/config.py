@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import sys
 import types
 import typing
 import urllib.parse
@@ -22,13 +23,10 @@ from typing import Any, Callable, TypeVar
 import yaml
 
 from model.config import ModelConfig
-from pipeline.core.errors import PipelineError
+from pipeline.core.checks import CONF_DIR, RULED, SHARE, MinIdentical, compose, contradictions
+from pipeline.core.errors import ParamsError
 
 T = TypeVar("T")
-
-
-class ParamsError(PipelineError, ValueError):
-    """A params file does not match the schema; the message names the key."""
 
 
 # --- what a value may be ------------------------------------------------------------
@@ -69,7 +67,6 @@ FORMATS: dict[str, tuple[Callable[[str], bool], str]] = {
     "sha256": (re.compile(r"[0-9a-f]{64}").fullmatch, "64 lowercase hex digits"),
 }
 SEED = {"range": "[0, 4294967295]"}  # numpy's and torch's seeds
-SHARE = {"range": "[0, 1]"}
 QUANTIZATIONS = ("none", "int8", "int8_float32", "int16", "bfloat16", "float16")  # CTranslate2's, for a CPU or GPU
 
 
@@ -193,16 +190,6 @@ class TranslateConfig:
     engine: str = field(default="project", metadata={"choices": ("project", "ctranslate2")})  # or the export's model
     # the project engine's weights: auto (fp32 on every device, measured never slower: pipeline/translation/decoding.py), or forced
     precision: str = field(default="auto", metadata={"choices": ("auto", "fp32", "bf16", "fp16")})
-
-
-@dataclass(frozen=True)
-class MinIdentical:  # per export.quantization: the least share of validation lines both engines decode alike
-    none: float = field(default=0.995, metadata=SHARE)
-    int8: float = field(default=0.85, metadata=SHARE)
-    int8_float32: float = field(default=0.85, metadata=SHARE)
-    int16: float = field(default=0.85, metadata=SHARE)
-    bfloat16: float = field(default=0.85, metadata=SHARE)
-    float16: float = field(default=0.85, metadata=SHARE)
 
 
 @dataclass(frozen=True)
@@ -340,12 +327,15 @@ def parse(raw: dict, section: str, cls: type[T]) -> T:
 
 
 def load(path: str | Path, section: str, cls: type[T]) -> T:
-    """Load one section of a params file into its frozen dataclass."""
+    """Load one section of a params file into its frozen dataclass, once the rules between its sections hold."""
     raw = read_yaml(path)
     try:
-        return parse(raw, section, cls)
+        loaded = parse(raw, section, cls)
+        # the rules between sections, on those the file holds: refused by whichever stage loads its params first
+        contradictions({name: parse(raw, name, SECTIONS[name]) for name in RULED if name in raw}, "")
+        return loaded
     except ParamsError as e:
-        raise ParamsError(f"{path}: {e}") from None
+        raise ParamsError(f"{path}: {str(e).removeprefix(': ')}") from None
 
 
 def load_all(path: str | Path) -> dict[str, Any]:
@@ -355,37 +345,28 @@ def load_all(path: str | Path) -> dict[str, Any]:
     if unknown:
         raise ParamsError(f"{path}: unknown section(s) {unknown}; expected {list(SECTIONS)}")
     sections = {name: load(path, name, cls) for name, cls in SECTIONS.items()}
-    from pipeline.core import checks  # the rules between sections, which every stage checks too
-
-    checks.contradictions(sections, path)
     return sections
 
 
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
-
-
-def compose(overrides: list[str] = (), conf_dir: str | Path = CONF_DIR) -> dict:
-    """Compose conf/config.yaml with Hydra overrides, as `dvc exp run -S` does."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.errors import HydraException
-    from omegaconf import OmegaConf
-
-    conf_dir = Path(conf_dir).resolve()
-    try:
-        with initialize_config_dir(config_dir=str(conf_dir), version_base=None):
-            cfg = hydra_compose(config_name="config", overrides=list(overrides))
-    except HydraException as e:
-        presets = {g.name: sorted(p.stem for p in g.glob("*.yaml")) for g in sorted(conf_dir.iterdir()) if g.is_dir()}
-        raise ParamsError(f"{conf_dir}: cannot compose {list(overrides)}: {e}; presets: {presets}") from None
-    return OmegaConf.to_container(cfg, resolve=True)
+HEADER = ("# Composed from conf/ (the comments and paper citations live there):\n"
+          "#   python -m pipeline.core.config --compose params.yaml\n")
+USAGE = """usage: python -m pipeline.core.config [PARAMS]                     check a params file (default params.yaml)
+       python -m pipeline.core.config --compose PARAMS [OVERRIDE ...]  compose conf/ into PARAMS, then check it"""
 
 
 def main(argv: list[str] | None = None) -> None:
-    """python -m pipeline.core.config: check (or compose, then check) a params file (pipeline/core/checks.py)."""
-    from pipeline.core import checks
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return
+    if argv and argv[0] == "--compose":
+        path, overrides = argv[1], argv[2:]
+        from pipeline.core.files import write_text
 
-    checks.main(argv)
+        write_text(path, HEADER + yaml.safe_dump(compose(overrides), sort_keys=False))
+    path = argv[1] if argv and argv[0] == "--compose" else (argv[0] if argv else "params.yaml")
+    load_all(path)
+    print(f"{path}: OK ({', '.join(SECTIONS)})")
 
 
 if __name__ == "__main__":

@@ -11,3 +11,7 @@ one line. Anything else is a bug and keeps its traceback.
 
 class PipelineError(Exception):
     """An expected failure; the message alone tells the user what to fix."""
+
+
+class ParamsError(PipelineError, ValueError):
+    """A params file does not match the schema; the message names the key (pipeline.core.config, checks)."""

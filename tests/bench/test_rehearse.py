@@ -1,6 +1,6 @@
 """`make rehearse`, smaller: the tiny model through the same path (tests/rehearse.py --small).
 
-The en-de base preset's seven stages under real `dvc repro` in a temporary
+The en-de base preset's eight stages under real `dvc repro` in a temporary
 repo, the stand-in served from 127.0.0.1 as CORPUS_MIRROR, 8 training
 processes (gloo), then 1 process accumulating 8 micro-batches on the same
 batches: the printed figures, the metrics and the verdict are checked.

@@ -4,7 +4,7 @@ No WMT data here: every archive a preset names is written with the members the
 preset reads, filled with a few hundred aligned synthetic lines
 (tests/fixtures/wmt_standin.py). Then download -> tokenize -> batch run on each preset's
 composed params (tiny vocabulary), so the first user with the real files meets
-no path that never ran. tests/rehearse.py (make rehearse) runs all seven stages
+no path that never ran. tests/rehearse.py (make rehearse) runs all eight stages
 of the en-de base preset on a larger stand-in.
 """
 
