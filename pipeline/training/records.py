@@ -51,6 +51,8 @@ class Progress:
     valid: dict = field(default_factory=dict)
     plot_rows: list = field(default_factory=list)
     code_changes: list = field(default_factory=list)  # [{"step", "files"}]: resumed across a code change
+    # [{"step", "label"}]: the precision each segment of a resumed run computed in, from that step (Trainer.resume)
+    precisions: list = field(default_factory=list)
 
     def recompiled(self, reasons: list[str]) -> None:
         """Count a step's recompiles and keep the first RECOMPILE_REASONS reasons of the run."""
@@ -127,7 +129,7 @@ def train_metrics(p: Progress, *, stopped_by_time: bool, train_batches: int, cud
         "tokens_per_second": p.train_tokens / p.train_seconds if p.train_seconds else 0.0,
         "device": peak.device,
         # how the steps computed (precision.py): the label names the kernels, the key is hashed into params_hash
-        "precision": precision.label if precision else "fp32",
+        "precision": precision_label(p, precision),
         "precision_key": precision.key if precision else "fp32",
         "devices": world,
         "grad_accum": accum,
@@ -138,3 +140,12 @@ def train_metrics(p: Progress, *, stopped_by_time: bool, train_batches: int, cud
         "params_hash": phash,
         **p.valid,
     }
+
+
+def precision_label(p: Progress, precision: Precision | None) -> str:
+    """The precision the run's steps computed in: one label, or each resumed segment's from its first step when a
+    resume computed otherwise (cpu_matmul = blas after oneDNN's products: the same key, other kernels)."""
+    label = precision.label if precision else "fp32"
+    if len(p.precisions) < 2:
+        return label
+    return ", then ".join(f"{s['label']} from step {s['step']}" for s in p.precisions)

@@ -62,6 +62,12 @@ class RunCheckpoints:
         if "scaler" in state:
             self.scaler.load_state_dict(state["scaler"])
         progress = Progress(**state["progress"])
+        before = (state.get("precision") or {}).get("label", self.precision.label)
+        progress.precisions = progress.precisions or [{"step": 0, "label": before}]
+        if progress.precisions[-1]["label"] != self.precision.label:  # the same key (hashed), other kernels
+            log.warning("resuming %s, trained in %s, in %s: metrics/train.json's precision names both", path.name,
+                        progress.precisions[-1]["label"], self.precision.label)
+            progress.precisions.append({"step": progress.step, "label": self.precision.label})
         if not ckpt.restore_rank_rng(state["rng"], self.ctx.rank, self.ctx.world, self.cfg.seed, progress.step):
             log.warning("checkpoint of %d process(es) resumed by %d: dropout RNGs seeded afresh from (train.seed, "
                         "step, rank); the weights equal an uninterrupted run's only without dropout",
