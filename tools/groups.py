@@ -3,7 +3,7 @@
 Used by tools/report.py. Two pipeline runs are one configuration when they
 share the git commit, the preset and every param but the seeds
 (tools/seeds.SEEDS: train.seed, batch.seed) and those that always differ
-(`ignored`: the params_hash of the params file, the device). A configuration's
+(`ignored`: the train stage's params_hash, the device). A configuration's
 figures are the mean over its runs, with, for the metrics that spread over
 seeds, the sample standard deviation (n - 1; none for one run), min and max;
 each over the runs that have the metric.

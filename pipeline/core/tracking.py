@@ -23,7 +23,8 @@ A stage run by DVC (pipeline/core/lineage.py: $DVC_STAGE) is a child of its
 pipeline run. The parent is found (or created) by its tag `pipeline_key` =
 sha256 of the git commit and the full params file, and tagged with git_commit,
 dvc_exp_name ($DVC_EXP_NAME, which dvc sets for queued/temp experiments),
-preset (data name and model size) and params_hash (sha256 of the params file).
+preset (data name and model size) and params_file_sha256 (sha256 of the params file; params_hash names
+only the train stage's hash of what shapes the weights).
 The parent holds the DVC metrics files as `<file stem>.<key>` (numbers as
 metrics, strings as tags), only those of this run: when a stage opens, those
 that pipeline/core/lineage.py finds current (so the parent shows the whole pipeline
@@ -256,7 +257,7 @@ def _experiment_id(client: Any, name: str, uri: str) -> str:
 
 
 def pipeline_tags(params_path: Path) -> dict[str, str]:
-    """Tags of the parent run: pipeline_key, git_commit, dvc_exp_name, preset, params_hash."""
+    """Tags of the parent run: pipeline_key, git_commit, dvc_exp_name, preset, params_file_sha256."""
     text = params_path.read_text(encoding="utf-8")
     raw = yaml.safe_load(text) or {}
     commit = git_commit(lineage.work_root())
@@ -265,7 +266,7 @@ def pipeline_tags(params_path: Path) -> dict[str, str]:
         "pipeline_key": hashlib.sha256(f"{commit}\n{text}".encode()).hexdigest(),
         "git_commit": commit,
         "preset": f"{data_name}_{model_size(raw.get('model') or {})}",
-        "params_hash": hashlib.sha256(text.encode()).hexdigest(),
+        "params_file_sha256": hashlib.sha256(text.encode()).hexdigest(),
         "data_name": data_name,
     }
     if os.environ.get("DVC_EXP_NAME"):

@@ -74,7 +74,7 @@ def story(tmp_path_factory):
     client = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
     every = client.search_runs([e.experiment_id for e in client.search_experiments()])
     for run in runs.values():
-        run["parent"] = next((r for r in every if r.data.tags.get("params_hash") == run["params_hash"]
+        run["parent"] = next((r for r in every if r.data.tags.get("params_file_sha256") == run["params_hash"]
                               and "pipeline_key" in r.data.tags), None)
         run["children"] = {r.data.tags["stage"]: r for r in every if run["parent"] is not None
                            and r.data.tags.get("mlflow.parentRunId") == run["parent"].info.run_id}

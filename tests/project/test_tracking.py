@@ -140,7 +140,7 @@ def test_a_training_run_is_a_train_child_under_its_pipeline_parent(tmp_path, mon
     assert sorted(m.step for m in history) == [1, 2, 3, 4]
     tags = parent.data.tags
     assert tags["dvc_exp_name"] == "brisk-wren" and tags["preset"] == "synthetic_custom"
-    assert len(tags["pipeline_key"]) == 64 and tags["git_commit"] and tags["params_hash"]
+    assert len(tags["pipeline_key"]) == 64 and tags["git_commit"] and tags["params_file_sha256"]
     # the DVC record, copied into the parent with the file stem as prefix
     assert parent.data.metrics["train.flops_analytic"] == pytest.approx(metrics["flops_analytic"])
     assert parent.data.tags["train.device"] == metrics["device"]
@@ -373,13 +373,13 @@ def test_a_killed_stage_closes_its_run_and_its_parent_as_killed(tmp_path, sig, k
             assert proc.poll() is None, proc.stderr.read()[-3000:]
             assert time.monotonic() < deadline, "no checkpoint after 120 s"
             time.sleep(0.1)
-        assert {r.info.status for r in all_runs(uri) if r.data.tags["params_hash"] == params_hash} == {"RUNNING"}
+        assert {r.info.status for r in all_runs(uri) if r.data.tags["params_file_sha256"] == params_hash} == {"RUNNING"}
         os.kill(proc.pid, sig)
         _, stderr = proc.communicate(timeout=180)  # torchrun stops its workers with SIGTERM, then waits: slow when loaded
     finally:
         proc.kill()
     assert proc.returncode != 0, stderr[-3000:]
-    runs = [r for r in all_runs(uri) if r.data.tags["params_hash"] == params_hash]
+    runs = [r for r in all_runs(uri) if r.data.tags["params_file_sha256"] == params_hash]
     assert len(runs) == 2 and {r.info.status for r in runs} == {"KILLED"}, \
         ([(r.info.run_name, r.info.status) for r in runs], stderr[-3000:])
 

@@ -486,7 +486,7 @@ def test_with_the_server_up_the_pipeline_run_is_complete_in_mlflow(pipeline, mon
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{pipeline['server_db']}")  # the server's own store
     runs = mlflow.search_runs(search_all_experiments=True, output_format="list")
-    parent = next(r for r in runs if r.data.tags.get("params_hash") == pipeline["first_params_hash"]
+    parent = next(r for r in runs if r.data.tags.get("params_file_sha256") == pipeline["first_params_hash"]
                   and "stage" not in r.data.tags)
     children = {r.data.tags["stage"]: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
     stages = yaml.safe_load((pipeline["repo"] / "dvc.yaml").read_text())["stages"]
