@@ -40,7 +40,10 @@ def export(args, cfg: ExportConfig, translate: TranslateConfig) -> dict:
     """Write and check the export (see the module docstring); its metrics."""
     from pipeline.export.engine import computed_type
 
-    compute_type = computed_type(cfg.quantization)  # refused here if CTranslate2 would compute another type
+    try:  # refused here if CTranslate2 would compute another type
+        compute_type = computed_type(cfg.quantization)
+    except config.ParamsError as e:
+        raise config.ParamsError(f"{args.params}: {e}") from None
     import torch
 
     from pipeline.corpus.formats import load_split, read_meta

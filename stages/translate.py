@@ -196,7 +196,10 @@ def main(argv: list[str] | None = None) -> None:
     cli.setup_logging()
     cfg = config.load(args.params, "translate", TranslateConfig)
     cfg = replace(cfg, engine=args.engine or cfg.engine)
-    checks.translate_engine(cfg)  # --engine ctranslate2 with translate.precision set
+    try:
+        checks.translate_engine(cfg)  # --engine ctranslate2 with translate.precision set
+    except config.ParamsError as e:
+        raise config.ParamsError(f"{args.params} with --engine {cfg.engine}: {e}") from None
     decode, sp, precision = (ctranslate2_decoder if cfg.engine == "ctranslate2" else project_decoder)(args, cfg)
     if args.stdin:
         translate_stdin(decode, sp, cfg)
