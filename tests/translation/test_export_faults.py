@@ -218,3 +218,15 @@ def test_inspect_checks_the_export_as_translate_does(made, tmp_path, capsys):
     (export / "model.bin").write_bytes(b"")
     assert inspect([str(export), "--out", str(tmp_path / "out")]) == 1
     assert "model.bin: sha256" in capsys.readouterr().err
+
+
+def test_compile_scope_step_with_rdrop_is_a_contradiction_before_training():
+    from types import SimpleNamespace
+
+    from pipeline.core.checks import contradictions
+
+    train = SimpleNamespace(keep_checkpoints=5, compile_scope="step", compile=True, cuda_graphs=False, rdrop_alpha=0.1)
+    with pytest.raises(ParamsError, match=r"^p.yaml: train.compile_scope = step compiles the plain loss, and "
+                                          r"train.rdrop_alpha = 0.1 asks for R-Drop"):
+        contradictions({"train": train}, "p.yaml")
+    contradictions({"train": SimpleNamespace(**{**vars(train), "compile": False})}, "p.yaml")  # eager: no graph
