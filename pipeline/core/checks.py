@@ -3,11 +3,11 @@
     compose(["experiment=multi30k_tiny"]) -> dict   # conf/config.yaml with Hydra overrides, as `dvc exp run -S`
     contradictions(sections, path)                   # refuse params that contradict each other, naming both keys
 
-The rules are checked before any stage runs: by `python -m pipeline.core.config` (config.load_all) and by every
-stage first (config.check_file, on the sections its params file holds), so that a contradiction a stage would refuse
-only once it runs is refused before the stages ahead of it have run: train.keep_checkpoints below average.last_n,
-compile_scope step with R-Drop, translate.engine ctranslate2 without an export, or with the project engine's
-translate.precision. Imports no other module of pipeline.core but errors (pipeline/core/config.py imports this one).
+The rules are checked by `python -m pipeline.core.config` (config.load_all) and by every stage that loads one of
+the sections they read (config.load: batch, which reads train.tokens_per_step, and every stage after it but
+evaluate), on the sections its params file holds: a contradiction that a late stage would refuse is refused before
+any training: train.keep_checkpoints below average.last_n, compile_scope step with R-Drop, translate.engine
+ctranslate2 without an export, or with the project engine's translate.precision. Imports no other module of pipeline.core but errors (pipeline/core/config.py imports this one).
 """
 
 from __future__ import annotations

@@ -331,8 +331,8 @@ def load(path: str | Path, section: str, cls: type[T]) -> T:
     raw = read_yaml(path)
     try:
         loaded = parse(raw, section, cls)
-        # the rules between sections, on those the file holds: refused by whichever stage loads its params first
-        contradictions({name: parse(raw, name, SECTIONS[name]) for name in RULED if name in raw}, "")
+        if section in RULED:  # the rules between the sections the file holds: from batch (train) on, each stage
+            contradictions({name: parse(raw, name, SECTIONS[name]) for name in RULED if name in raw}, "")
         return loaded
     except ParamsError as e:
         raise ParamsError(f"{path}: {str(e).removeprefix(': ')}") from None
