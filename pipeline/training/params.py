@@ -26,7 +26,8 @@ from pipeline.weights import checkpoint as ckpt
 # back to eager (compiled.py) must resume its own checkpoints, and switching it should not cost the run.
 # micro_batch_tokens: how a process cuts its share into micro-batches; the gradient is summed over them all the same.
 # cpu_matmul: the setting as written; what it resolves to on this machine (the Precision's key) is hashed instead.
-# ddp_bucket_mb, ddp_static_graph: how DDP groups and schedules the same all-reduce (grad_compression rounds: hashed).
+# ddp_bucket_mb, ddp_static_graph: how DDP groups and schedules the same all-reduce (grad_compression rounds: hashed,
+# but as none on one process: hashed_train).
 NOT_WEIGHT_SHAPING = ("max_steps", "max_minutes", "eval_every", "log_every", "checkpoint_every", "keep_checkpoints",
                       "devices", "timeout_minutes", "compile", "compile_scope", "cuda_graphs", "micro_batch_tokens", "cpu_matmul",
                       "ddp_bucket_mb", "ddp_static_graph")
