@@ -1,5 +1,5 @@
 # make run  : set up .venv, then `dvc repro` on the default preset (Multi30k, small model)
-# make test : set up .venv, then the whole test suite
+# make test : set up .venv, then the whole test suite (but tests/cluster: make test-slurm)
 SHELL := /bin/bash
 PY ?= python3
 VENV := .venv
