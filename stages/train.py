@@ -13,6 +13,10 @@ torchrun command directly works too, and so does torchrun on each of N nodes:
     torchrun --nnodes=N --nproc_per_node=<devices> --rdzv_backend=c10d --rdzv_endpoint=HOST:PORT \
         --rdzv_id=RUN -m stages.train ...          # docs/multi_node.md, "Running it"
 
+With TRANSFORMER_SLURM=1, inside a SLURM allocation, the command starts one srun task per device on every
+node instead (pipeline/device/slurm.py; cluster/slurm/pipeline.sbatch runs the pipeline so), and SIGTERM or
+SIGUSR1 checkpoint the step in flight and stop the run with the signal's exit status (docs/multi_node.md, "SLURM").
+
 Before training it logs the precision this machine resolves (pipeline/device/precision.py: the
 CPU's class or the GPU, and how train.cpu_matmul forces another). Every rank checks that it holds
 rank 0's params, data and precision (params_hash); a

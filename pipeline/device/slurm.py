@@ -31,6 +31,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from pipeline.core import signals
 from pipeline.core.errors import PipelineError
@@ -146,7 +147,7 @@ def ask_nodes(nodes: int, master: str, data: list[str]) -> list[dict]:
     return sorted(views, key=lambda view: view["node"])
 
 
-def launch(devices: int, module: str, args: list[str], data: list[str]) -> None:
+def launch(devices: int, module: str, args: list[str], data: list[str]) -> NoReturn:
     """Check the allocation and the nodes, then run `python -m module args` as devices x nodes srun tasks; exit as
     they did (a task stopped by WARNING_SIGNAL: requeue the job first)."""
     nodes, hosts = allocation(devices)
