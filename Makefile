@@ -1,5 +1,5 @@
 # make run  : set up .venv, then `dvc repro` on the default preset (Multi30k, small model)
-# make test : set up .venv, then the whole test suite
+# make test : set up .venv, then the whole test suite (but tests/cluster: make test-slurm)
 SHELL := /bin/bash
 PY ?= python3
 VENV := .venv
@@ -9,7 +9,7 @@ export DVC_NO_ANALYTICS := 1
 export MLFLOW_DISABLE_TELEMETRY := true
 export DO_NOT_TRACK := 1
 
-.PHONY: install run test bench clean ui inspect multinode-smoke rehearse gpu-check gpu-profile gpu-graphs check-layout
+.PHONY: install run test test-slurm bench clean ui inspect multinode-smoke rehearse gpu-check gpu-profile gpu-graphs check-layout
 
 install: $(VENV)/.installed
 
@@ -27,7 +27,13 @@ run: install
 # A test file stays on one worker (--dist loadfile), so a module's pipeline fixture runs once.
 TEST_WORKERS ?= 2
 test: install
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --ignore=tests/cluster
+
+# The pipeline through sbatch on a one-host SLURM cluster (tests/cluster): installs Debian's slurm-wlm and munge
+# when missing (apt-get, as root); the tests skip, saying why, where they cannot be installed
+test-slurm: install
+	cluster/slurm/local_cluster.sh install
+	$(BIN)/python -m pytest -q tests/cluster
 
 bench: install
 	$(BIN)/python -m bench.cpu.train_throughput

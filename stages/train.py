@@ -13,6 +13,10 @@ torchrun command directly works too, and so does torchrun on each of N nodes:
     torchrun --nnodes=N --nproc_per_node=<devices> --rdzv_backend=c10d --rdzv_endpoint=HOST:PORT \
         --rdzv_id=RUN -m stages.train ...          # docs/multi_node.md, "Running it"
 
+With TRANSFORMER_SLURM=1, inside a SLURM allocation, the command starts one srun task per device on every
+node instead (pipeline/device/slurm.py; cluster/slurm/pipeline.sbatch runs the pipeline so), and SIGTERM or
+SIGUSR1 checkpoint the step in flight and stop the run with the signal's exit status (docs/multi_node.md, "SLURM").
+
 Before training it logs the precision this machine resolves (pipeline/device/precision.py: the
 CPU's class or the GPU, and how train.cpu_matmul forces another). Every rank checks that it holds
 rank 0's params, data and precision (params_hash); a
@@ -30,6 +34,7 @@ compile_cache/ beside the checkpoints (not a DVC output: a cache, no record), so
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 from pathlib import Path
@@ -37,8 +42,8 @@ from pathlib import Path
 import torch
 
 from model.config import ModelConfig
-from pipeline.core import cli, config, tracking
-from pipeline.device import compiled, distributed
+from pipeline.core import cli, config, signals, tracking
+from pipeline.device import compiled, distributed, slurm
 from pipeline.core.config import BatchConfig, TrainConfig
 from pipeline.core.files import write_json
 from pipeline.training.loader import TrainingData
@@ -66,7 +71,13 @@ def main(argv: list[str] | None = None) -> None:
                                  "and this machine has none; set train.grad_compression=fp16 or none")
     if cfg.compile or cfg.cuda_graphs:  # the compiled graphs kept beside the checkpoints: a resume loads them
         compiled.keep_cache(Path(args.checkpoints).parent / COMPILE_CACHE)
-    if cfg.devices > 1 and not distributed.launched_by_torchrun():
+    if slurm.requested() and not slurm.in_task():  # TRANSFORMER_SLURM=1 in a batch job: srun tasks on every node
+        TrainingData.load(args.tokenized, args.batches)
+        slurm.launch(cfg.devices, "stages.train", sys.argv[1:] if argv is None else argv,
+                     [str(args.tokenized), str(args.batches)])
+    if slurm.requested():
+        slurm.adopt()
+    elif cfg.devices > 1 and not distributed.launched_by_torchrun():
         TrainingData.load(args.tokenized, args.batches)  # a missing input fails here, before any process starts
         distributed.launch(cfg.devices, "stages.train", sys.argv[1:] if argv is None else argv)
         return
@@ -84,7 +95,12 @@ def main(argv: list[str] | None = None) -> None:
             trainer = Trainer(data, model_cfg, cfg, max_tokens, ctx, run, phash, args.checkpoints, args.plot,
                               precision)
             try:
-                metrics = trainer.fit()
+                with preemptible(trainer, run):
+                    metrics = trainer.fit()
+            except signals.Preempted as e:  # checkpointed: one line from rank 0, the signal's exit status
+                if ctx.is_main:
+                    print(f"train: {e.line}", file=sys.stderr, flush=True)
+                raise
             except KeyboardInterrupt:  # Ctrl-C: one line, from rank 0, instead of each process's traceback
                 if not ctx.is_main:
                     raise SystemExit(cli.EXIT_INTERRUPTED) from None
@@ -104,6 +120,19 @@ def main(argv: list[str] | None = None) -> None:
         if trainer is not None:
             trainer.close()
         distributed.teardown(ctx)
+
+
+@contextlib.contextmanager
+def preemptible(trainer: Trainer, run: tracking.StageRun):
+    """Under SLURM (pipeline/device/slurm.py): SIGTERM and SIGUSR1 checkpoint the step and stop (signals.deferred),
+    and the MLflow run is tagged with the job and restart it trains (the segments of one requeued job)."""
+    if not slurm.requested():
+        yield
+        return
+    run.set_tags(slurm.tags())
+    with signals.deferred() as asked:
+        trainer.preemption = asked
+        yield
 
 
 if __name__ == "__main__":

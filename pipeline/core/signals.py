@@ -5,6 +5,8 @@
     with signals.held():         # an MLflow call, a checkpoint being written: the first signal waits
         ...                      # until the block ends, then is raised; a second one is raised at once
     signals.caused_by_signal(e)  # True when `e` or an exception it was raised from is one of those
+    with signals.deferred() as asked:  # SIGTERM, SIGUSR1 recorded, not raised: a scheduler's notice that the job
+        ... asked.signum ...           # stops; the train stage checkpoints at the next step and raises Preempted
 
 A signal raised inside a library's C++ or database code turns into that code's
 error or leaves it half done: in torch.save (a Python write callback) it became
@@ -90,3 +92,38 @@ def caused_by_signal(error: BaseException) -> bool:
         seen.add(id(e))
         e = e.__cause__ or e.__context__
     return False
+
+
+class Preempted(Stopped):
+    """Training stopped on a scheduler's signal (deferred) after checkpointing; `line` says where it resumes."""
+
+    def __init__(self, signum: int, line: str):
+        super().__init__(128 + signum)
+        self.signum, self.line = signum, line
+
+
+class Asked:
+    """The first signal deferred() recorded (None: none yet)."""
+
+    signum: int | None = None
+
+
+@contextlib.contextmanager
+def deferred(sigs: tuple[int, ...] = (signal.SIGTERM, signal.SIGUSR1)) -> Iterator[Asked]:
+    """Record `sigs` instead of raising them, whatever handled them before (main thread only); restore on exit.
+
+    SLURM sends SIGTERM to requeue or preempt a job and then waits KillWait seconds before SIGKILL; sbatch
+    --signal=USR1@<seconds> warns before the time limit. A step in flight finishes, then the run checkpoints."""
+    asked, previous = Asked(), {}
+
+    def record(signum: int, _frame: Any) -> None:
+        asked.signum = asked.signum or signum
+
+    if threading.current_thread() is threading.main_thread():
+        for sig in sigs:
+            previous[sig] = signal.signal(sig, record)
+    try:
+        yield asked
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -18,12 +18,18 @@ code_changed_files). A checkpoint trained in another precision than this machine
 one, moving nothing. Only rank 0 reads and writes checkpoints; it sends the one
 it resumes to every rank (other nodes need not see them), on another world size
 too when a step keeps its batches (params_hash; RNGs: restore_rank_rng).
+A run stopped by a scheduler's signal (Trainer.preemption, SLURM) checkpoints the step it stopped at into
+`<checkpoints>/preempted/` (one file, outside the rotation and the average stage's choice); a restart resumes it
+when it is newer than the newest regular checkpoint, and the next regular checkpoint deletes it, so the kept
+checkpoints are those of an uninterrupted run.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
+import signal
 from dataclasses import asdict
 
 from pipeline.core import signals
@@ -34,6 +40,8 @@ from pipeline.training.records import Progress
 from pipeline.weights import checkpoint as ckpt
 
 log = logging.getLogger(__name__)
+
+PREEMPTED = "preempted"  # <checkpoints>/preempted/: the step a signalled run stopped at, until the next regular one
 
 
 class RunCheckpoints:
@@ -50,6 +58,7 @@ class RunCheckpoints:
         if self.ctx.is_main:
             try:
                 found = ckpt.resume_point(self.checkpoints, self.phash, self.code, across, self.precision.key)
+                found = self.newer_preempted(found)
             except ckpt.OtherPrecision as e:
                 refused = self.other_precision(e)
         path, state, changed, refused = distributed.broadcast_object((*(found or (None, None, [])), refused), self.ctx)
@@ -89,8 +98,33 @@ class RunCheckpoints:
                 f"train.cpu_matmul = {p.setting}): resume it where it computes in {e.key} ({force_hint(e.key)}), "
                 f"or move {self.checkpoints} away to train afresh in {p.key}")
 
-    def save(self) -> None:
-        """Checkpoint the run now: every rank's RNGs gathered, rank 0 writes (none when checkpoints is None)."""
+    def newer_preempted(self, regular: ckpt.Resume | None) -> ckpt.Resume | None:
+        """The checkpoint in PREEMPTED if it is of this run (params, code, precision) and newer than `regular`;
+        else `regular`, and PREEMPTED is deleted."""
+        folder = self.checkpoints / PREEMPTED
+        found = ckpt.newest_complete(folder)
+        if found is None:
+            return regular
+        path, payload = found
+        same = (payload.get("params_hash") == self.phash and not ckpt.changed_files(payload.get("code"), self.code)
+                and (payload.get("precision") or {}).get("key") == self.precision.key)
+        if same and (regular is None or payload["step"] > regular.payload["step"]):
+            return ckpt.Resume(path, payload, [])
+        log.warning("deleting %s: %s", path, "older than the newest checkpoint" if same else "of other params or code")
+        shutil.rmtree(folder, ignore_errors=True)
+        return regular
+
+    def preempted_here(self) -> signals.Preempted:
+        """The exception that ends a run stopped by a scheduler's signal, once checkpointed (every rank)."""
+        signum = distributed.broadcast_object(self.preemption.signum, self.ctx)
+        name = signal.Signals(signum).name
+        self.run.set_tags({"preempted_at_step": self.progress.step, "preempted_by": name})
+        return signals.Preempted(signum, f"stopped by {name} at step {self.progress.step}, checkpointed in "
+                                         f"{self.saved_path}; the requeued job (or the same command) resumes there")
+
+    def save(self, aside: bool = False) -> None:
+        """Checkpoint the run now: every rank's RNGs gathered, rank 0 writes (none when checkpoints is None); `aside`:
+        into PREEMPTED (a step between regular checkpoints), else a regular one, which deletes PREEMPTED."""
         rngs = distributed.gather_objects(ckpt.capture_rng(), self.ctx)
         if self.ctx.is_main and self.checkpoints is not None:
             p = self.progress
@@ -105,6 +139,10 @@ class RunCheckpoints:
                 "train_tokens": p.train_tokens, "progress": asdict(p),
             }
             with signals.held():  # a Ctrl-C while saving is raised once saved_step names the checkpoint on disk
-                saved = ckpt.save_checkpoint(self.checkpoints, state, self.cfg.keep_checkpoints)
-                self.saved_step = p.step
+                if aside:
+                    saved = ckpt.save_checkpoint(self.checkpoints / PREEMPTED, state, 1)
+                else:
+                    saved = ckpt.save_checkpoint(self.checkpoints, state, self.cfg.keep_checkpoints)
+                    shutil.rmtree(self.checkpoints / PREEMPTED, ignore_errors=True)
+                self.saved_step, self.saved_path = p.step, saved
             log.info("step %d: saved %s", p.step, saved)

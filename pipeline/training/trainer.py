@@ -54,7 +54,7 @@ from pipeline.weights import checkpoint as ckpt
 from pipeline.device import attention, compiled, distributed, graphs, peak
 from pipeline.training import plan, records
 from pipeline.weights import faults, fingerprint
-from pipeline.core import tracking
+from pipeline.core import signals, tracking
 from pipeline.corpus import steps
 from pipeline.core.config import TrainConfig
 from pipeline.device.distributed import Dist
@@ -82,7 +82,10 @@ class Trainer(RunCheckpoints):
         self.phash, self.checkpoints, self.plot = phash, checkpoints, plot
         self._order: tuple[int, np.ndarray] = (-1, np.zeros(0, np.int64))  # (epoch, its batch order)
         self.stopped_by_time = False
+        self.preemption: signals.Asked | None = None  # set by the stage under SLURM: a signal checkpoints and stops
+        self.preempted = False  # stopped by that signal (fit raises signals.Preempted)
         self.saved_step: int | None = None  # the newest checkpoint written or resumed from
+        self.saved_path: Path | None = None  # the newest checkpoint written (rank 0)
         self.bar = None  # the progress bar, while training
         self.batches = steps.batches_per_step(cfg.tokens_per_step, max_tokens)
         self.parts = steps.parts_per_batch(self.batches, ctx.world)
@@ -241,13 +244,16 @@ class Trainer(RunCheckpoints):
         p, cfg = self.progress, self.cfg
         out_of_time = cfg.max_minutes > 0 and p.elapsed_seconds >= cfg.max_minutes * 60
         due = cfg.checkpoint_every > 0 and p.step % cfg.checkpoint_every == 0
-        done, out_of_time, due = distributed.broadcast_flags([p.step >= cfg.max_steps, out_of_time, due], self.ctx)
+        asked = self.preemption is not None and self.preemption.signum is not None
+        done, out_of_time, due, asked = distributed.broadcast_flags([p.step >= cfg.max_steps, out_of_time, due, asked],
+                                                                    self.ctx)
+        self.preempted = asked and not (done or out_of_time)  # rank 0's signal stops every rank after this step
         if out_of_time and not done:
             if not self.stopped_by_time:
                 log.warning("step %d: train.max_minutes = %g reached before train.max_steps = %d; stopping (safety stop: "
                             "this run's result depends on the machine's speed)", p.step, cfg.max_minutes, cfg.max_steps)
             self.stopped_by_time = True
-        return done or out_of_time, due
+        return done or out_of_time or self.preempted, due
 
     def interrupted(self) -> str:
         """After Ctrl-C: end the progress line; say at which step training stopped and what a re-run continues from."""
@@ -282,7 +288,7 @@ class Trainer(RunCheckpoints):
             p.elapsed_seconds = time.monotonic() - start
             bar.update(1)
             stop, due_save = self.decide()
-            evaluated = stop or (cfg.eval_every > 0 and p.step % cfg.eval_every == 0)
+            evaluated = (stop and not self.preempted) or (cfg.eval_every > 0 and p.step % cfg.eval_every == 0)
             if evaluated:
                 faults.inject("validation", p.step)  # tests only: TRANSFORMER_FAULT=validation@N kills the process here
                 self.validate()
@@ -298,10 +304,12 @@ class Trainer(RunCheckpoints):
                 interval.zero_()
                 interval_seconds, interval_tokens = 0.0, 0
             if due_save or stop:
-                self.save()
+                self.save(aside=self.preempted and not due_save)
                 saved_at = p.step
             p.elapsed_seconds = time.monotonic() - start
         bar.close()
+        if self.preempted:
+            raise self.preempted_here()
         if not p.valid:  # resumed at max_steps from a checkpoint written before any evaluation
             self.validate()
         if saved_at != p.step:
