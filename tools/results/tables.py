@@ -45,8 +45,11 @@ def machine(line: dict) -> str:
         return f"{m['gpu']}"
     cpu = m["cpu"] or "a CPU"
     maker = "Intel Xeon" if "Xeon" in cpu else "AMD EPYC" if "EPYC" in cpu else cpu
-    what = f"{maker}, {m['class']}" + (" (emulated: ISA capped)" if line["emulated"] else "")
-    return f"{m['threads']} threads, {what}" if m["threads"] else what
+    cap = line["emulated"] or ""
+    what = f"{maker}, {m['class']}" + (" (emulated: thread cap)" if cap.startswith("thread cap") else
+                                       " (emulated: ISA capped)" if cap else "")
+    threads = m["threads"]
+    return f"{threads} thread{'s' if threads > 1 else ''}, {what}" if threads else what
 
 
 def _groups(lines: list[dict], keep: Callable[[dict], bool]) -> dict[tuple[str, str], list[dict]]:
@@ -84,6 +87,11 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows]) + "\n"
 
 
+def _seeds(runs: list[dict]) -> str:
+    """How many seeds were scored (a run timed only, without scores, adds none)."""
+    return str(len({r["seed"] for r in runs if r["test"].get("bleu") is not None or r["valid"].get("bleu") is not None}))
+
+
 def _timed(runs: list[dict]) -> str:
     timed = [r for r in runs if "run" in r["wall_s"]]
     return "; ".join(f"{minutes(r['wall_s']['run'])} ({r['id']})" for r in timed) or "-"
@@ -93,7 +101,7 @@ def headline(lines: list[dict]) -> str:
     rows = []
     for (_, where), runs in _groups(lines, lambda l: l["recipe"] == DEFAULT).items():
         ratios = [_ratio(p) for p in pairs(lines, DEFAULT, EARLIER) if machine(p[0]) == where]
-        rows.append([where, str(len(runs)), _scores(runs, "test", "bleu"), _scores(runs, "test", "lc_norm_tok"),
+        rows.append([where, _seeds(runs), _scores(runs, "test", "bleu"), _scores(runs, "test", "lc_norm_tok"),
                      _scores(runs, "valid", "bleu"), _timed(runs), "; ".join(ratios) or "-"])
     return _table(["machine", "seeds", "test2016 sacreBLEU", "lc.norm.tok", "valid BLEU", "`make run` / `dvc repro`",
                    f"time against {EARLIER}, one sitting"], rows)
@@ -102,8 +110,8 @@ def headline(lines: list[dict]) -> str:
 def presets(lines: list[dict]) -> str:
     rows = []
     for (recipe, where), runs in _groups(lines, lambda l: l["baseline"] is None and l["recipe"] != EARLIER).items():
-        flops = sorted({f"{r['flops']:.1e}" for r in runs if r["flops"]})
-        rows.append([recipe, where, str(len(runs)), f"{runs[0]['steps']}", _scores(runs, "test", "bleu"),
+        flops = sorted({f"{r['flops']:.1e}".replace("e+", "e") for r in runs if r["flops"]})
+        rows.append([recipe, where, _seeds(runs), f"{runs[0]['steps']}", _scores(runs, "test", "bleu"),
                      _scores(runs, "test", "lc_norm_tok"), _scores(runs, "test", "bleu_tokenized"),
                      _scores(runs, "valid", "bleu"), ", ".join(flops) or "-"])
     return _table(["recipe", "machine", "seeds", "steps", "sacreBLEU", "lc.norm.tok", "tokenized BLEU", "valid BLEU",
