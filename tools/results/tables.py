@@ -52,6 +52,12 @@ def machine(line: dict) -> str:
     return f"{threads} thread{'s' if threads > 1 else ''}, {what}" if threads else what
 
 
+def published(line: dict) -> bool:
+    """A run of a recipe (not a lever) with a test score or a `make run` time: what the runs and presets tables show
+    (a baseline run scored on validation only appears in the levers table, through its levers)."""
+    return line["baseline"] is None and (line["test"].get("bleu") is not None or "run" in line["wall_s"])
+
+
 def _groups(lines: list[dict], keep: Callable[[dict], bool]) -> dict[tuple[str, str], list[dict]]:
     out: dict[tuple[str, str], list[dict]] = {}
     for line in lines:
@@ -61,7 +67,12 @@ def _groups(lines: list[dict], keep: Callable[[dict], bool]) -> dict[tuple[str, 
 
 
 def _scores(runs: list[dict], split: str, name: str) -> str:
-    values = [r[split][name] for r in runs if r[split].get(name) is not None]
+    """mean ± sd over seeds: a seed's first run with the score counts, a rerun of it (a timing) does not."""
+    first = {}
+    for r in runs:
+        if r[split].get(name) is not None:
+            first.setdefault(r["seed"], r[split][name])
+    values = list(first.values())
     return spread(values) if values else "-"
 
 
@@ -99,7 +110,7 @@ def _timed(runs: list[dict]) -> str:
 
 def headline(lines: list[dict]) -> str:
     rows = []
-    for (_, where), runs in _groups(lines, lambda l: l["recipe"] == DEFAULT).items():
+    for (_, where), runs in _groups(lines, lambda l: l["recipe"] == DEFAULT and published(l)).items():
         ratios = [_ratio(p) for p in pairs(lines, DEFAULT, EARLIER) if machine(p[0]) == where]
         rows.append([where, _seeds(runs), _scores(runs, "test", "bleu"), _scores(runs, "test", "lc_norm_tok"),
                      _scores(runs, "valid", "bleu"), _timed(runs), "; ".join(ratios) or "-"])
@@ -109,7 +120,7 @@ def headline(lines: list[dict]) -> str:
 
 def presets(lines: list[dict]) -> str:
     rows = []
-    for (recipe, where), runs in _groups(lines, lambda l: l["baseline"] is None and l["recipe"] != EARLIER).items():
+    for (recipe, where), runs in _groups(lines, lambda l: published(l) and l["recipe"] != EARLIER).items():
         flops = sorted({f"{r['flops']:.1e}".replace("e+", "e") for r in runs if r["flops"]})
         rows.append([recipe, where, _seeds(runs), f"{runs[0]['steps']}", _scores(runs, "test", "bleu"),
                      _scores(runs, "test", "lc_norm_tok"), _scores(runs, "test", "bleu_tokenized"),
@@ -125,7 +136,7 @@ def _number(value: float | None) -> str:
 def runs(lines: list[dict]) -> str:
     rows = []
     for r in lines:
-        if r["baseline"] is not None:
+        if not published(r):
             continue
         source = "transcribed: " + r["transcribed"]["source"] if r["transcribed"] else "recorded"
         rows.append([r["id"], r["recipe"], machine(r), str(r["seed"]), r["commit"][:7], f"`{r['command']}`",
@@ -146,6 +157,15 @@ def times(lines: list[dict]) -> str:
     return _table(["sitting", "machine", "run", f"{EARLIER}'s run", "ratio"], rows)
 
 
+def _signed(value: float) -> str:
+    return f"{round(value, 2) + 0.0:+.2f}"  # + 0.0: no "-0.00"
+
+
+def _any_seed(line: dict) -> str:
+    """A lever's command with its seed written as N (each seed ran it)."""
+    return line["command"].replace(f"train.seed={line['seed']} batch.seed={line['seed']}", "train.seed=N batch.seed=N")
+
+
 def levers(lines: list[dict]) -> str:
     rows = []
     for (lever, where), tried in _groups(lines, lambda l: l["baseline"] is not None).items():
@@ -160,11 +180,11 @@ def levers(lines: list[dict]) -> str:
                     "train" in x["wall_s"] for x in (run, base[0])):
                 ratios.append(run["wall_s"]["train"] / base[0]["wall_s"]["train"])
         seeds = " / ".join(str(r["seed"]) for r in sorted(tried, key=lambda r: r["seed"]))
-        change = (" / ".join(f"{c:+.2f}" for c in changes) + (f" (mean {statistics.mean(changes):+.2f})"
+        change = (" / ".join(_signed(c) for c in changes) + (f" (mean {_signed(statistics.mean(changes))})"
                                                                if len(changes) > 1 else "")) if changes else "-"
         ratio = " / ".join(f"{x:.2f}x" for x in ratios) or "-"
         rows.append([lever, f"{tried[0]['baseline']}; {where}", seeds, change, ratio,
-                     ", ".join(sorted({r["commit"][:7] for r in tried})), f"`{tried[0]['command']}`"])
+                     ", ".join(sorted({r["commit"][:7] for r in tried})), f"`{_any_seed(tried[0])}`"])
     return _table(["lever", "against; machine", "seeds", "valid BLEU change", "training time ratio, one sitting",
                    "commit", "command"], rows)
 
