@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
+import runpy
 import sys
 
 import pytest
@@ -12,7 +10,6 @@ import pytest
 from pipeline.core.errors import PipelineError
 from tests.fixtures import finished_run
 from tests.fixtures.cpu import EPYC, ZEN
-from tests.fixtures.train import ROOT
 from tools.results import main, record, store
 
 
@@ -58,14 +55,15 @@ def test_an_isa_cap_and_an_edited_tree_are_in_the_line(tmp_path):
     assert plain["emulated"] is None and plain["machine"]["class"] == "AVX2"
 
 
-def test_metrics_changed_after_the_run_are_refused_in_one_line_and_nothing_appended(tmp_path):
+def test_metrics_changed_after_the_run_are_refused_in_one_line_and_nothing_appended(tmp_path, monkeypatch, capsys):
     repo = tmp_path / "run"
     finished_run.make(repo)
     eval_json = repo / "metrics" / "eval.json"
     eval_json.write_text(eval_json.read_text().replace("40.48", "41.48"))
     out = tmp_path / "runs.jsonl"
-    done = subprocess.run([sys.executable, "-m", "tools.results", "record", "--repo", str(repo), "--record", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120, env=os.environ)
-    assert done.returncode == 2 and not out.exists()
-    (message,) = done.stderr.strip().splitlines()
+    monkeypatch.setattr(sys, "argv", ["tools.results", "record", "--repo", str(repo), "--record", str(out)])
+    with pytest.raises(SystemExit) as ended:  # the command as `python -m tools.results` runs it, in this process
+        runpy.run_module("tools.results", run_name="__main__")
+    assert ended.value.code == 2 and not out.exists()
+    (message,) = capsys.readouterr().err.strip().splitlines()
     assert message.startswith("results: error: ") and "eval.json: md5" in message and "dvc.lock" in message

@@ -101,6 +101,8 @@ def machine(environ: dict, text: str | None = None) -> tuple[dict, str | None]:
 
 def stage_walls(uri: str, commit: str, params_text: str) -> dict:
     """Seconds each stage's latest MLflow run under this run's parent took, and `run`: their whole span."""
+    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():
+        return {}  # no store there: nothing was logged (opening one would create it)
     from mlflow.tracking import MlflowClient  # only here: the tables and their check never need MLflow
 
     key = hashlib.sha256(f"{commit}\n{params_text}".encode()).hexdigest()  # pipeline.core.tracking's pipeline_key
