@@ -44,7 +44,7 @@ from pathlib import Path
 from pipeline.core import cli, config, tracking
 from pipeline.core.config import DataConfig, EvaluateConfig
 from pipeline.core.errors import PipelineError
-from pipeline.core.files import write_json
+from pipeline.core.files import InputError, write_json
 from pipeline.corpus.formats import DECODED_SPLITS
 from pipeline.translation.scoring import multi30k_bleu, read_pair, score
 
@@ -83,6 +83,8 @@ def training_end(path: Path) -> dict:
     """`stopped_by` and `train_steps` of the train stage's metrics/train.json at `path` (PipelineError when they
     are missing or not what the train stage writes)."""
     mend = "re-run the train stage (`dvc repro train`)"
+    if not path.is_file():
+        raise InputError(f"{path}: missing; run the train stage first")
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -107,13 +109,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--train-metrics", type=Path, help="the train stage's metrics/train.json: how training ended")
     args = parser.parse_args(argv)
     cli.setup_logging()
-    end = training_end(args.train_metrics) if args.train_metrics else {}
     cfg = config.load(args.params, "evaluate", EvaluateConfig)
     data = config.load(args.params, "data", DataConfig)
     lang, multi30k = data.tgt_lang, data.name == MULTI30K
     with tracking.stage_run("evaluate", args) as run:
         run.log_params({"evaluate": asdict(cfg), "data": {"tgt_lang": lang, "name": data.name}})
-        metrics = score_splits(args.translations, args.raw, lang, cfg.tokenize, multi30k) | end
+        metrics = score_splits(args.translations, args.raw, lang, cfg.tokenize, multi30k)
+        end = training_end(args.train_metrics) if args.train_metrics else {}  # after the translations are found
+        metrics |= end
         if end:
             run.set_tags({"stopped_by": end["stopped_by"]})
         for split in DECODED_SPLITS:  # what tools.compare tests for significance, with the reference it was scored on

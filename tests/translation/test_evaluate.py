@@ -14,7 +14,7 @@ import pytest
 
 from pipeline.translation import scoring
 from stages import evaluate
-from tests.fixtures.evaluate import HYPS, REFS, run
+from tests.fixtures.evaluate import ABSENT, HYPS, REFS, run
 from tests.fixtures.translation import shared_store, store  # noqa: F401 (fixtures)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -197,4 +197,11 @@ def test_a_train_record_without_its_end_fails_in_one_line_naming_it(tmp_path, tr
     with pytest.raises(evaluate.PipelineError, match="train.json: ") as raised:
         run(tmp_path, train=train)
     assert found in str(raised.value) and "dvc repro train" in str(raised.value)
+    assert not (tmp_path / "metrics" / "eval.json").exists()
+
+
+
+def test_a_missing_train_record_names_the_stage_that_writes_it(tmp_path):
+    with pytest.raises(evaluate.PipelineError, match=r"train\.json: missing; run the train stage first"):
+        run(tmp_path, train=ABSENT)
     assert not (tmp_path / "metrics" / "eval.json").exists()
