@@ -1,6 +1,7 @@
 """Score the translations: sacreBLEU and chrF, plus the paper's tokenized BLEU.
 
-    python -m stages.evaluate --translations data/translations --raw data/raw --metrics metrics/eval.json [--params params.yaml]
+    python -m stages.evaluate --translations data/translations --raw data/raw --metrics metrics/eval.json
+        [--train-metrics metrics/train.json] [--params params.yaml]
 
 Reads params `evaluate` (EvaluateConfig) and `data.tgt_lang`. For the test and
 valid splits, data/translations/{split}.{tgt} (detokenized hypotheses) is
@@ -19,25 +20,38 @@ as valid_bleu, valid_chrf, valid_bleu_tokenized[, valid_bleu_lc_norm_tok], each 
 line on stdout is `BLEU = xx.x (sacreBLEU signature: ...)`, after the
 Multi30k line `Multi30k lc.norm.tok BLEU = xx.xx (...)` where it applies. A hypothesis file
 that is empty or whose line count differs from its reference is an error, and
-no metrics are written. The MLflow run keeps the hypotheses and references scored
+no metrics are written.
+
+With --train-metrics (dvc.yaml passes the train stage's metrics/train.json) the
+scores say how the model's training ended: `stopped_by` (max_steps, or
+max_minutes when the wall-clock safety stop train.max_minutes fired first) and
+`train_steps` go into eval.json, and so into MLflow's tags and metrics. A run
+the safety stop cut short is not the recipe's result: the stage says so in a
+line on stdout before the BLEU line (so `make run` ends with it) and on the
+MLflow run (tag `stopped_by`); the scores are still written, of the model that
+was trained. A train.json without a valid `stopped_by` or `steps` fails in one
+line. The MLflow run keeps the hypotheses and references scored
 (artifacts `hypotheses/` and `references/`), for `python -m tools.compare`.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import asdict
 from pathlib import Path
 
 from pipeline.core import cli, config, tracking
 from pipeline.core.config import DataConfig, EvaluateConfig
-from pipeline.core.files import write_json
+from pipeline.core.errors import PipelineError
+from pipeline.core.files import InputError, write_json
 from pipeline.corpus.formats import DECODED_SPLITS
 from pipeline.translation.scoring import multi30k_bleu, read_pair, score
 
 log = logging.getLogger(__name__)
 
 MULTI30K = "multi30k"  # data.name of the corpus whose papers report bleu_lc_norm_tok
+STOPS = ("max_steps", "max_minutes")  # metrics/train.json's stopped_by: how the train stage can end
 LC_NORM_TOK = "lowercased, punctuation normalised, Moses-tokenized as Multi30k's task1-tokenize.sh; not sacreBLEU"
 
 
@@ -65,19 +79,54 @@ def score_splits(translations: Path, raw: Path, lang: str, tokenize: str, multi3
     return metrics
 
 
+def training_end(path: Path) -> dict:
+    """`stopped_by` and `train_steps` of the train stage's metrics/train.json at `path` (PipelineError when they
+    are missing or not what the train stage writes)."""
+    mend = "re-run the train stage (`dvc repro train`)"
+    if not path.is_file():
+        raise InputError(f"{path}: missing; run the train stage first")
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise PipelineError(f"{path}: not the train stage's JSON metrics ({e}); {mend}") from None
+    stopped_by = record.get("stopped_by") if isinstance(record, dict) else None
+    steps = record.get("steps") if isinstance(record, dict) else None
+    if stopped_by not in STOPS or not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
+        raise PipelineError(f"{path}: expected stopped_by (one of {', '.join(STOPS)}) and steps (a whole number) "
+                            f"as the train stage writes them, got stopped_by {stopped_by!r}, steps {steps!r}; {mend}")
+    return {"stopped_by": stopped_by, "train_steps": steps}
+
+
+def cut_short_line(end: dict) -> str:
+    """What the stage prints when the safety stop ended training before train.max_steps."""
+    return (f"Not the recipe's result: training stopped by the safety stop train.max_minutes at step "
+            f"{end['train_steps']}, before train.max_steps (metrics/eval.json: stopped_by = max_minutes); "
+            f"`dvc exp run -S train.max_minutes=0` resumes it to train.max_steps")
+
+
 def main(argv: list[str] | None = None) -> None:
-    args = cli.start(__doc__, argv, "translations", "raw", "metrics")
+    parser = cli.stage_parser(__doc__, "translations", "raw", "metrics")
+    parser.add_argument("--train-metrics", type=Path, help="the train stage's metrics/train.json: how training ended")
+    args = parser.parse_args(argv)
+    cli.setup_logging()
     cfg = config.load(args.params, "evaluate", EvaluateConfig)
     data = config.load(args.params, "data", DataConfig)
     lang, multi30k = data.tgt_lang, data.name == MULTI30K
     with tracking.stage_run("evaluate", args) as run:
         run.log_params({"evaluate": asdict(cfg), "data": {"tgt_lang": lang, "name": data.name}})
         metrics = score_splits(args.translations, args.raw, lang, cfg.tokenize, multi30k)
+        end = training_end(args.train_metrics) if args.train_metrics else {}  # after the translations are found
+        metrics |= end
+        if end:
+            run.set_tags({"stopped_by": end["stopped_by"]})
         for split in DECODED_SPLITS:  # what tools.compare tests for significance, with the reference it was scored on
             run.log_artifact(args.translations / f"{split}.{lang}", "hypotheses")
             run.log_artifact(args.raw / f"{split}.{lang}", "references")
         write_json(args.metrics, metrics)
         run.log_metrics({k: v for k, v in metrics.items() if isinstance(v, float)})
+    if end.get("stopped_by") == "max_minutes":
+        log.warning("%s", cut_short_line(end))
+        print(cut_short_line(end), flush=True)
     if multi30k:
         print(f"Multi30k lc.norm.tok BLEU = {metrics['bleu_lc_norm_tok']:.2f} ({LC_NORM_TOK})", flush=True)
     print(f"BLEU = {metrics['bleu']:.1f} (sacreBLEU signature: {metrics['signature']})", flush=True)

@@ -14,7 +14,7 @@ import pytest
 
 from pipeline.translation import scoring
 from stages import evaluate
-from tests.fixtures.evaluate import HYPS, REFS, run
+from tests.fixtures.evaluate import ABSENT, HYPS, REFS, run
 from tests.fixtures.translation import shared_store, store  # noqa: F401 (fixtures)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -172,3 +172,36 @@ def test_a_corpus_other_than_multi30k_has_no_lc_norm_tok_bleu(tmp_path, monkeypa
     monkeypatch.setattr(evaluate, "MULTI30K", "not-this-corpus")
     metrics = json.loads(run(tmp_path).read_text())
     assert not any("lc_norm_tok" in key for key in metrics) and "bleu_tokenized" in metrics
+
+
+def test_a_run_the_safety_stop_cut_short_is_printed_and_recorded_beside_its_scores(tmp_path, capsys):
+    metrics = json.loads(run(tmp_path, train={"steps": 3100, "stopped_by": "max_minutes", "train_hours": 2.0}).read_text())
+    assert metrics["stopped_by"] == "max_minutes" and metrics["train_steps"] == 3100 and 0 < metrics["bleu"] < 100
+    *_, cut, multi30k, last = capsys.readouterr().out.strip().splitlines()
+    assert cut.startswith("Not the recipe's result: training stopped by the safety stop train.max_minutes at step 3100")
+    assert "dvc exp run -S train.max_minutes=0" in cut and last.startswith("BLEU = ")
+    run_tags = mlflow.search_runs(search_all_experiments=True, filter_string="tags.stage = 'evaluate'")
+    assert run_tags["tags.stopped_by"].iloc[0] == "max_minutes"  # the newest evaluate run, this one
+
+
+def test_a_run_that_reached_max_steps_prints_no_warning(tmp_path, capsys):
+    metrics = json.loads(run(tmp_path, train={"steps": 4600, "stopped_by": "max_steps"}).read_text())
+    assert metrics["stopped_by"] == "max_steps" and metrics["train_steps"] == 4600
+    assert "Not the recipe's result" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("train, found", [({"steps": 10}, "stopped_by None, steps 10"),
+                                          ({"steps": 1.5, "stopped_by": "max_steps"}, "steps 1.5"),
+                                          ("{not json", "not the train stage's JSON metrics")])
+def test_a_train_record_without_its_end_fails_in_one_line_naming_it(tmp_path, train, found):
+    with pytest.raises(evaluate.PipelineError, match="train.json: ") as raised:
+        run(tmp_path, train=train)
+    assert found in str(raised.value) and "dvc repro train" in str(raised.value)
+    assert not (tmp_path / "metrics" / "eval.json").exists()
+
+
+
+def test_a_missing_train_record_names_the_stage_that_writes_it(tmp_path):
+    with pytest.raises(evaluate.PipelineError, match=r"train\.json: missing; run the train stage first"):
+        run(tmp_path, train=ABSENT)
+    assert not (tmp_path / "metrics" / "eval.json").exists()
