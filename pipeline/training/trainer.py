@@ -187,6 +187,7 @@ class Trainer(RunCheckpoints):
         loss_sum = self.compiled_or_eager(lambda: train_step(self.loss_model, self.optimizer, micro, int(T.sum()), lr,
                                                              ctx, self.autocast, self.scaler, self.forward))
         p.step += 1
+        p.eager_steps += bool(p.fallback)  # steps trained eager after a compiled run fell back
         p.train_tokens += int(T.sum())
         p.src_tokens += int(S.sum())
         p.step_tokens_range = widen(p.step_tokens_range, int(S.sum()), int(T.sum()))
@@ -196,7 +197,8 @@ class Trainer(RunCheckpoints):
         return loss_sum, sum(b.tokens for b, real in micro if real), lr
 
     def compiled_or_eager(self, run, step: bool = True):
-        """run(); if the compiled layers fail to compile, back to eager (one warning) and run() again.
+        """run(); if the compiled layers fail to compile or pass the recompile limit, back to eager (one warning,
+        recorded: Progress.fell_back) and run() again; train.compile_on_limit = fail stops at a limit instead.
 
         A failure comes from a layer's forward, before any Adam update: the step's gradients so far are
         dropped and the RNGs (dropout) put back, so the repeat is the step eager would have trained.
@@ -208,10 +210,16 @@ class Trainer(RunCheckpoints):
         seconds, graphs = compiled.compile_totals()
         cached = compiled.cache_counts()
         try:
-            with compiled.watch() as seen:
+            with compiled.watch() as seen, compiled.limited(self.cfg.compile_recompile_limit):
                 return run()
-        except compiled.COMPILE_FAILURES as e:
-            compiled.fallback(self.layers, e)
+        except (*compiled.COMPILE_FAILURES, compiled.RecompileLimitHit) as e:
+            if isinstance(e, compiled.RecompileLimitHit):
+                e = compiled.limit_reason(self.cfg.compile_recompile_limit, seen.reasons)
+                if self.cfg.compile_on_limit == "fail":
+                    raise compiled.RecompileLimitError(f"train.compile: step {self.progress.step + 1}: {e}; raise "
+                                                       "train.compile_recompile_limit, or set train.compile_on_limit="
+                                                       "eager to go on eager") from None
+            self.progress.fell_back(self.progress.step + 1, compiled.fallback(self.layers, e))
             self.layers, self.forward = [], None
             zero_grads(self.optimizer, self.loss_model)
             ckpt.restore_rng(rng)
