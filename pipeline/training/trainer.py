@@ -77,7 +77,7 @@ class Trainer(RunCheckpoints):
 
     def __init__(self, data: TrainingData, model_cfg: ModelConfig, cfg: TrainConfig, max_tokens: int, ctx: Dist,
                  run: tracking.StageRun, phash: str, checkpoints: Path | None = None, plot: Path | None = None,
-                 precision: Precision | None = None):
+                 precision: Precision | None = None, ddp: bool = False):
         self.data, self.model_cfg, self.cfg, self.ctx, self.run = data, model_cfg, cfg, ctx, run
         self.phash, self.checkpoints, self.plot = phash, checkpoints, plot
         self._order: tuple[int, np.ndarray] = (-1, np.zeros(0, np.int64))  # (epoch, its batch order)
@@ -116,7 +116,7 @@ class Trainer(RunCheckpoints):
         # chunked: no [N, V] logits (model/loss.py), but with R-Drop (model/rdrop.py) and the whole step compiled
         self.loss_model: nn.Module = SmoothedLoss(self.model, cfg.label_smoothing, rdrop_alpha=cfg.rdrop_alpha,
                                                   rdrop_fraction=cfg.rdrop_fraction, padded=scope == "step")
-        if ctx.world > 1 or torch.distributed.is_initialized():  # a group of one too: bench.gpu.check times DDP
+        if ctx.world > 1 or ddp:  # `ddp`: in a process group of one too (bench.gpu.check's share line times it)
             self.loss_model = distributed.ddp(self.loss_model, ctx, cfg.ddp_bucket_mb, cfg.ddp_static_graph,
                                               cfg.grad_compression)  # no buffer sync per forward, on any torch
         self.forward = compiled.compile_step(self.loss_model, graphs.mode(cfg.cuda_graphs)) if scope == "step" else None
