@@ -171,15 +171,17 @@ def test_the_compile_cache_goes_beside_the_checkpoints_unless_the_user_chose_one
     assert compiled.keep_cache(tmp_path / "compile_cache") == str(tmp_path / "mine")
 
 
-def test_two_processes_with_the_whole_step_compiled_update_like_one_eager_process(tmp_path):
+@pytest.mark.parametrize("static_graph", [False, True], ids=["dynamic graph", "static graph"])
+def test_two_processes_with_the_whole_step_compiled_update_like_one_eager_process(tmp_path, static_graph):
     """DDP compiled whole (dynamo splits the graph at DDP's buckets) against one eager process taking the same
-    step in micro-batches: the same update, as test_train's two eager processes."""
+    step in micro-batches: the same update, as test_train's two eager processes; with train.ddp_static_graph
+    too (DDP told the graph never changes, under the compiled step)."""
     one, two = tmp_path / "one", tmp_path / "two"
     for root, devices, micro, compile_ in ((one, 1, 12, False), (two, 2, 0, True)):
         write_corpus(root, max_tokens=48)
         write_params(root / "params.yaml", max_tokens=48, devices=devices, tokens_per_step=48, max_steps=4,
                      checkpoint_every=0, eval_every=0, micro_batch_tokens=micro, adam_eps=1e-4, compile=compile_,
-                     compile_scope="step")
+                     compile_scope="step", ddp_static_graph=static_graph and devices == 2)
     m1 = run_stage(one, one / "params.yaml")
     out = torchrun(two, two / "params.yaml", 2, TRANSFORMER_COMPILE_BACKEND="aot_eager")
     assert out.returncode == 0, out.stderr[-3000:]
