@@ -4,17 +4,19 @@
 
 Per preset (wmt14_en_de_base, _big with train.devices=1: its model, vocabulary
 37000, batch config and train.tokens_per_step), each line runs WARMUP_STEPS
-steps (compiling falls there: their seconds and the graphs dynamo compiled are
-printed apart), then --steps timed ones: target tokens/s, MFU (model.flops
-over pipeline.device.peak), peak memory.
+steps, and up to SETTLE_STEPS more until one compiles nothing new (compiling
+falls there: their count, seconds and the graphs dynamo compiled are printed
+apart), then --steps timed ones (the compiled modes: --compiled-steps at least,
+so a late recompile shows), then one profiled, untimed: target tokens/s, MFU
+(model.flops over pipeline.device.peak), peak memory.
   reference  the step at its simplest, printed first: a Trainer's model, loss
              (no DDP), Adam, autocast and attention kernels, the whole loss
              under one torch.compile, one fixed micro-batch of the step's
              tokens, [tokens_per_step // 32, 32], all real (bench/harness/reference.py).
   eager, compiled, graphs, step, step-graphs  the train stage's Trainer.step (train.compile off,
              on; train.cuda_graphs on; the same two with train.compile_scope = step, the
-             whole step one graph; --modes picks) in a process group of one (DDP, prefetch
-             thread) over its epoch order, each mode on a fresh synthetic corpus
+             whole step one graph; --modes picks) as a train.devices=1 run has it (no DDP; the
+             prefetch thread) over its epoch order, each mode on a fresh synthetic corpus
              of its own (its own seed; WMT-like lengths, N(28, 14) tokens, at
              most 250; one epoch covers every step) written as the tokenize stage
              writes, batched by the batch stage's write_batches with the preset's
@@ -27,7 +29,13 @@ over pipeline.device.peak), peak memory.
              paper's GPUs) trains it, alone: the
              row parts of each batch rank 0 takes (pipeline/corpus/steps.py), without the gradient
              all-reduce; tokens/s and MFU per GPU beside the whole step's, and the preset's
-             train.max_steps on that many GPUs predicted from it (compute only).
+             train.max_steps on that many GPUs predicted from it (compute only), in DDP over
+             a process group of one, as each rank has it. Under it, "communication
+             (modelled)": DDP's buckets as it all-reduced them, a ring all-reduce of each at
+             --busbw, the part hidden under backward, the exposed overflow and last bucket,
+             the per-step flag broadcast (--flag-ms), the slowest rank's share: each part
+             apart, and the step and hours with them (bench/harness/allreduce.py).
+--summary FILE writes every line's figures as JSON after each preset (make gpu-day).
 Under each line, what ran inside (bench/harness/kernels.py): the attention kernels
 of the last warm-up step (profiler kernel names: flash, efficient, math, cudnn;
 CUDA only), and the host syncs of the timed steps, each caught by
@@ -57,11 +65,12 @@ import torch
 from bench.harness.decoding import time_decoding
 from bench.harness.reference import fitting_reference
 from bench.harness.gpu import arguments as gpu_arguments
-from bench.harness.gpu import (PRESETS, VALID_PAIRS, WARMUP_STEPS, WMT_LONGEST, WMT_MEAN, WMT_SD, Setup, gpu_or_tiny,
+from bench.harness.gpu import (PRESETS, VALID_PAIRS, WMT_LONGEST, WMT_MEAN, WMT_SD, Setup, gpu_or_tiny,
                              preset, process_group, stream)
 from bench.harness.steps import MODES, fitting_training, records_graphs
 from bench.harness import allreduce, synthetic_corpus
 from model import flops as flops_lib
+from pipeline.core.files import write_json
 from pipeline.device import distributed
 
 
@@ -168,6 +177,28 @@ def failures_of(name: str, mode: str, r: dict, device: torch.device) -> list[str
     return failed
 
 
+def summary(results: dict, s: Setup, args: argparse.Namespace) -> dict:
+    """One preset's lines as numbers (--summary): per training line its rate, MFU, memory and what compiled when;
+    per share line its prediction, compute only and with communication modelled; decoding's sentences/s."""
+    out = {}
+    for line, r in results.items():
+        if not isinstance(r, dict):
+            out[line] = {"sentences_per_s": r}
+            continue
+        out[line] = {"tokens_per_s": r["tokens_per_s"], "mfu": r["flops_per_s"] / r["peak"].flops if r["peak"].flops
+                     else None, "memory_gib": None if r["memory"] is None else r["memory"] / 2**30,
+                     "warmup_steps": r["warmup_steps"], "warmup_settled": r["warmup_settled"],
+                     "graphs_in_timed_steps": r["new_graphs"], "recompiles_in_timed_steps": len(r["dynamo"].recompiles)}
+        if r.get("ranks", 1) > 1:
+            seconds = r["tokens_per_step"] / r["tokens_per_s"]
+            out[line]["hours_compute_only"] = s.train_cfg.max_steps * seconds / 3600
+            if r["buckets"]:
+                step = allreduce.predict(seconds, r["buckets"], r["ranks"], args.busbw, args.flag_ms, r["slowest"])
+                out[line] |= {"hours_with_communication": s.train_cfg.max_steps * step["step"] / 3600,
+                              "step_ms": {k: v * 1e3 for k, v in step.items()}, "bucket_bytes": r["buckets"]}
+    return out
+
+
 def check(name: str, device: torch.device, args: argparse.Namespace, ctx: distributed.Dist,
           failures: list[str]) -> dict:
     """Every line of one preset: the reference, training per mode, a checkpoint's save, decoding; appends to
@@ -225,6 +256,8 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--ranks", type=int, default=8, help="the share lines' processes (1: no share line)")
     parser.add_argument("--share-modes", nargs="+", choices=MODES, default=["eager", "step"],
                         help="modes whose rank's share is timed (of those in --modes)")
+    parser.add_argument("--summary", type=Path, help="a JSON file the lines' figures are written to, after each "
+                        "preset (a run cut short keeps those done)")
     parser.add_argument("--compiled-steps", type=int, default=100,
                         help="timed steps of the compiled modes at least: a late recompile shows in the line")
     parser.add_argument("--busbw", type=float, default=allreduce.NVLINK_BUSBW_GBS,
@@ -242,8 +275,14 @@ def main(argv: list[str] | None = None) -> dict | None:
     if device is None:
         return None
     failures: list[str] = []
+    results, figures_of = {}, {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                               "torch": torch.__version__, "args": {k: str(v) for k, v in vars(args).items()}}
     with process_group(device) as ctx:
-        results = {name: check(name, device, args, ctx, failures) for name in args.models}
+        for name in args.models:
+            results[name] = check(name, device, args, ctx, failures)
+            if args.summary:
+                figures_of[name] = summary(results[name], preset(name, device, args.tiny), args)
+                write_json(args.summary, figures_of)
     if failures:
         for failure in failures:
             print(f"gpu-check FAILED: {failure}", flush=True)

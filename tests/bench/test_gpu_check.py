@@ -9,6 +9,7 @@ checkpoint it saves, decoding in the translate stage's precision and every print
 
 from __future__ import annotations
 
+import json
 import re
 
 import numpy as np
@@ -30,6 +31,7 @@ from pipeline.device import compiled, distributed
 from pipeline.training.trainer import Trainer
 from pipeline.weights import fingerprint
 from pipeline.weights.checkpoint import resume_point
+from tests.fixtures.train import ROOT
 
 CPU = torch.device("cpu")
 
@@ -158,7 +160,7 @@ def tokens_per_s(line: str) -> float:
     return float(line.split(" target tokens/s")[0].split(": ")[1].replace(",", ""))
 
 
-def test_gpu_check_prints_the_reference_then_each_mode_on_its_own_corpus_then_decoding(monkeypatch, capsys):
+def test_gpu_check_prints_the_reference_then_each_mode_on_its_own_corpus_then_decoding(monkeypatch, capsys, tmp_path):
     """--tiny (hidden): the same code with a small model on the CPU, so the GPU run meets no untried line."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setenv(compiled.BACKEND_ENV, "eager")  # dynamo without AOT autograd: the fastest compile there is
@@ -166,7 +168,8 @@ def test_gpu_check_prints_the_reference_then_each_mode_on_its_own_corpus_then_de
     # step modes' graphs are those a GPU builds
     monkeypatch.setattr(Dropout, "forward", lambda self, x: torch.nn.functional.dropout(x, self.p, self.training))
     torch._dynamo.reset()
-    results = gpu_check.main(["--tiny", "--models", "base", "--steps", "2", "--compiled-steps", "3", "--sentences", "4"])
+    results = gpu_check.main(["--tiny", "--models", "base", "--steps", "2", "--compiled-steps", "3", "--sentences", "4",
+                              "--summary", str(tmp_path / "summary.json")])
     torch._dynamo.reset()
     lines = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in lines] == [
@@ -244,11 +247,27 @@ def test_gpu_check_prints_the_reference_then_each_mode_on_its_own_corpus_then_de
     assert total == pytest.approx(compute + ms["overflow"] + ms["last bucket"] + flags, abs=0.2), share_comm
     assert compute == pytest.approx(seconds * 1e3 * part["slowest"], rel=0.01, abs=0.05), share_comm
     assert f"{len(layout)} DDP buckets" in share_comm and "450 GB/s bus bandwidth" in share_comm, share_comm
+    # --summary: the same figures as numbers, the share line's hours with communication too.
+    written = json.loads((tmp_path / "summary.json").read_text())
+    assert written["device"] == "cpu" and set(written["base"]) == set(results["base"])
+    assert written["base"]["eager"]["tokens_per_s"] == pytest.approx(whole["tokens_per_s"])
+    assert written["base"]["share"]["step_ms"]["step"] == pytest.approx(total, abs=0.1)
+    assert written["base"]["share"]["hours_with_communication"] > written["base"]["share"]["hours_compute_only"]
     # Decoding: beam 4 as the translate stage decodes (fp32) and in the training precision (fp32 on a CPU).
     assert re.fullmatch(r"base: beam 4, the translate stage's precision, fp32 weights: [\d.]+ sentences/s "
                         r"\(translate_ids\)", decode_stage), decode_stage
     assert re.fullmatch(r"base: beam 4, the training precision, fp32 weights: [\d.]+ sentences/s \(translate_ids\)",
                         decode_fp32), decode_fp32
+
+
+def test_make_gpu_day_runs_gpu_check_with_flags_it_has_within_nine_minutes():
+    """The next lent GPU's one call: base before big, eager and the whole compiled step, within 540 s."""
+    recipe = re.search(r"^gpu-day:\n((?:\t.*\n)+)", (ROOT / "Makefile").read_text(), re.M)[1]
+    command = " ".join(line.strip().rstrip("\\") for line in recipe.splitlines())
+    assert "timeout 540 python -m bench.gpu.check" in command, command
+    argv = command.split("bench.gpu.check", 1)[1].split("|")[0].split()
+    args = gpu_check.arguments().parse_args(argv)
+    assert args.models == ["base", "big"] and args.modes == ["eager", "step"] and args.summary is not None
 
 
 def test_a_host_sync_in_the_timed_steps_fails_the_line_and_keeps_its_figures():
