@@ -9,7 +9,7 @@ export DVC_NO_ANALYTICS := 1
 export MLFLOW_DISABLE_TELEMETRY := true
 export DO_NOT_TRACK := 1
 
-.PHONY: install run test test-slurm bench clean ui inspect multinode-smoke rehearse gpu-check gpu-profile gpu-graphs check-layout
+.PHONY: install run test test-slurm bench clean ui inspect multinode-smoke rehearse gpu-check gpu-day gpu-profile gpu-graphs check-layout
 
 install: $(VENV)/.installed
 
@@ -60,6 +60,13 @@ rehearse: install
 # base and big training steps and beam-4 decoding on the GPU (exits 0 saying so without CUDA)
 gpu-check: install
 	$(BIN)/python -m bench.gpu.check
+
+# The next lent GPU's one call (after `source .gpu/env.sh`: no install, the machine's own torch): base, then big,
+# eager and the whole compiled step, the share lines with communication modelled, decoding fp32 and bf16, within
+# 9 minutes; lines print as they end, and reports/gpu_day.json holds the figures of each preset done
+gpu-day:
+	set -o pipefail; mkdir -p reports && timeout 540 python -m bench.gpu.check --modes eager step --steps 30 --compiled-steps 60 \
+		--sentences 200 --summary reports/gpu_day.json | tee reports/gpu_day.txt
 
 gpu-profile: install
 	$(BIN)/python -m bench.gpu.profile

@@ -1,19 +1,16 @@
 """The training loss of Sec. 5.4: label-smoothed cross-entropy over the real target tokens.
 
-The output projection is the shared embedding matrix (Sec. 3.4), so the loss
-takes the decoder's hidden states and that matrix, and the [N, V] logits are
-never held whole, on CPUs and GPUs alike: projected_smoothed_loss, which
-model/torch_loss.py's loss_path routes to ProjectedSmoothedLoss (ours, chunk
-by chunk of rows, its matrix products in autocast's precision) or to torch's
-F.linear_cross_entropy where that computes this loss chunked. On GPUs ours
-computes each chunk, the last one's rows rounded up to a multiple of ROW_GRAIN,
-with one compiled function (fused_chunk: a few passes over the chunk's logits,
-not ten; a graph per window shape, a bounded few); on CPUs eagerly. Validation's loss and NLL
-are chunked the same way, without gradients (projected_smoothed_and_nll).
-R-Drop (train.rdrop_alpha > 0, model/rdrop.py) is the exception: its KL term
-needs both passes' whole distributions, so SmoothedLoss then builds the
-[2N, V] logits. Nothing here reads a tensor's value or copies a Python number
-to the device: a GPU step never waits on the host (tests/training/test_step_syncs.py).
+The output projection is the shared embedding matrix (Sec. 3.4), so the loss takes the decoder's hidden states
+and that matrix, and the [N, V] logits are never held whole, on CPUs and GPUs alike: projected_smoothed_loss,
+which model/torch_loss.py's loss_path routes to ProjectedSmoothedLoss (ours, chunk by chunk of rows, its matrix
+products in autocast's precision) or to torch's F.linear_cross_entropy where that computes this loss chunked.
+On GPUs ours computes each chunk, the last one's rows rounded up to a multiple of ROW_GRAIN (padded in front
+under one chunk), with one compiled function (fused_chunk: a few passes over the chunk's logits, not ten; a
+graph per window shape, a bounded few); on CPUs eagerly. Validation's loss and NLL are chunked the same way,
+without gradients (projected_smoothed_and_nll). R-Drop (train.rdrop_alpha > 0, model/rdrop.py) is the
+exception: its KL term needs both passes' whole distributions, so SmoothedLoss then builds the [2N, V] logits.
+Nothing here reads a tensor's value or copies a Python number to the device: a GPU step never waits on the
+host (tests/training/test_step_syncs.py).
 """
 
 from __future__ import annotations
@@ -79,20 +76,31 @@ def row_grain(device: torch.device) -> int:
 def windows(n: int, chunk: int, grain: int = 0) -> list[tuple[int, int, int]]:
     """(start, stop, skip) of each chunk of n rows: full chunks of `chunk` rows, then the rest, r rows.
 
-    grain 0: the rest as it is, (n - r, n, 0). grain > 0: the rest is the last
-    min(r rounded up to a multiple of grain, n) rows, its first `skip` rows
-    already counted by the chunk before (the caller leaves them out), so that
-    its matrix products take one of chunk / grain shapes, not one of `chunk`:
-    on a GPU a product of a shape new to the GEMM library held the host 2.8 to
-    27 ms in the H200's traces of base and big (docs/benchmarks.md), and n,
-    the step's real target tokens, is another number every step.
+    grain 0: the rest as it is, (n - r, n, 0). grain > 0: the last r rows rounded up to a multiple of grain,
+    the first `skip` counted by the chunk before (left out by the caller), so the products take one of chunk /
+    grain shapes (a GEMM shape new to a GPU held its host 2.8 to 27 ms: docs/benchmarks.md), not one per step.
+    Under one chunk (a GPU's 1/8 share of a step: ~3.1k of 4096 rows) the window starts before row 0: its first
+    `skip` rows are padding the caller puts in front (front_padded).
     """
     out = [(start, start + chunk, 0) for start in range(0, n - chunk + 1, chunk)]
     rest = n - len(out) * chunk
     if rest:
-        rows = min(-(-rest // grain) * grain, n) if grain else rest
+        rows = -(-rest // grain) * grain if grain else rest
         out.append((n - rows, n, rows - rest))
     return out
+
+
+def front_padded(hidden: Tensor, targets: Tensor, spans: list[tuple[int, int, int]]
+                 ) -> tuple[Tensor, Tensor, list[tuple[int, int, int]], int]:
+    """hidden [N, D], targets [N] and their windows with `pad` zero rows (target 0) put in front where the first
+    window starts before row 0 (windows), so every window is a slice; pad (0: all as they were). The padding is
+    that window's `skip`: out of the sum, its gradient rows zero."""
+    pad = -spans[0][0] if spans and spans[0][0] < 0 else 0
+    if not pad:
+        return hidden, targets, spans, 0
+    hidden = torch.cat([hidden.new_zeros(pad, hidden.shape[1]), hidden])
+    targets = torch.cat([targets.new_zeros(pad), targets])
+    return hidden, targets, [(start + pad, stop + pad, skip) for start, stop, skip in spans], pad
 
 
 class ProjectedSmoothedLoss(torch.autograd.Function):
@@ -130,11 +138,12 @@ class ProjectedSmoothedLoss(torch.autograd.Function):
         eps, chunk = label_smoothing, chunk or ProjectedSmoothedLoss.CHUNK
         w = weight if dtype is None else weight.to(dtype)  # [V, D], cast once (as autocast casts it per product)
         loss = torch.zeros((), dtype=torch.float64, device=hidden.device)
+        hidden, targets, spans, pad = front_padded(hidden, targets, windows(hidden.shape[0], chunk, grain))
         grad_hidden = torch.empty_like(hidden) if grads else None
         # The weight gradient summed over chunks in fp32 at least (for fp32 weights: zeros_like(weight), as before).
         accumulate = torch.promote_types(weight.dtype, torch.float32)
         grad_weight = torch.zeros_like(weight, dtype=accumulate) if grads else None
-        for start, stop, skip in windows(hidden.shape[0], chunk, grain):
+        for start, stop, skip in spans:
             h = hidden[start:stop]  # [n, D]
             y = targets[start:stop]
             if dtype is not None:
@@ -159,7 +168,7 @@ class ProjectedSmoothedLoss(torch.autograd.Function):
                 grad_weight.add_(g.t() @ h)  # bf16 product, summed over chunks in fp32
         ctx.weight_dtype = weight.dtype
         if grads:
-            ctx.save_for_backward(grad_hidden, grad_weight)
+            ctx.save_for_backward(grad_hidden[pad:], grad_weight)
         return loss.to(torch.promote_types(hidden.dtype, torch.float32))  # fp32 for bf16 / fp16 hidden states too
 
     @staticmethod
@@ -285,7 +294,7 @@ def projected_smoothed_loss(hidden: Tensor, weight: Tensor, targets: Tensor, lab
     before, to the bit. The loss is fp32 (or hidden's dtype, if wider).
     `path` ("torch" / "ours") overrides loss_path's choice (tests). On GPUs
     ours computes its chunks with the compiled fused_chunk (the last one's
-    rows rounded up to ROW_GRAIN: windows; fewer rows than that, eagerly); on CPUs
+    rows rounded up to ROW_GRAIN, padded in front under one chunk: windows); on CPUs
     eagerly, chunk by chunk as before (compiled, a CPU gives other bits and no
     speed: docs/benchmarks.md).
     """
@@ -380,7 +389,9 @@ def projected_smoothed_and_nll(hidden: Tensor, weight: Tensor, targets: Tensor,
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # smoothed, nll
     with torch.no_grad(), torch.autocast(device.type, enabled=False):
         w = weight.to(compute)  # [V, D]
-        for start, stop, skip in windows(hidden.shape[0], chunk_rows(device), row_grain(device)):
+        hidden, targets, spans, _ = front_padded(hidden, targets, windows(hidden.shape[0], chunk_rows(device),
+                                                                          row_grain(device)))
+        for start, stop, skip in spans:
             h = hidden[start:stop].to(compute)  # [n, D]
             y = targets[start:stop]
             _, _, lse, z_y, z_mean = _softmax_terms((h @ w.t()).float(), y)  # [n, V] fp32, in place

@@ -4,17 +4,19 @@
 
 Per preset (wmt14_en_de_base, _big with train.devices=1: its model, vocabulary
 37000, batch config and train.tokens_per_step), each line runs WARMUP_STEPS
-steps (compiling falls there: their seconds and the graphs dynamo compiled are
-printed apart), then --steps timed ones: target tokens/s, MFU (model.flops
-over pipeline.device.peak), peak memory.
+steps, and up to SETTLE_STEPS more until one compiles nothing new (compiling
+falls there: their count, seconds and the graphs dynamo compiled are printed
+apart), then --steps timed ones (the compiled modes: --compiled-steps at least,
+so a late recompile shows), then one profiled, untimed: target tokens/s, MFU
+(model.flops over pipeline.device.peak), peak memory.
   reference  the step at its simplest, printed first: a Trainer's model, loss
              (no DDP), Adam, autocast and attention kernels, the whole loss
              under one torch.compile, one fixed micro-batch of the step's
              tokens, [tokens_per_step // 32, 32], all real (bench/harness/reference.py).
   eager, compiled, graphs, step, step-graphs  the train stage's Trainer.step (train.compile off,
              on; train.cuda_graphs on; the same two with train.compile_scope = step, the
-             whole step one graph; --modes picks) in a process group of one (DDP, prefetch
-             thread) over its epoch order, each mode on a fresh synthetic corpus
+             whole step one graph; --modes picks) as a train.devices=1 run has it (no DDP; the
+             prefetch thread) over its epoch order, each mode on a fresh synthetic corpus
              of its own (its own seed; WMT-like lengths, N(28, 14) tokens, at
              most 250; one epoch covers every step) written as the tokenize stage
              writes, batched by the batch stage's write_batches with the preset's
@@ -27,7 +29,13 @@ over pipeline.device.peak), peak memory.
              paper's GPUs) trains it, alone: the
              row parts of each batch rank 0 takes (pipeline/corpus/steps.py), without the gradient
              all-reduce; tokens/s and MFU per GPU beside the whole step's, and the preset's
-             train.max_steps on that many GPUs predicted from it (compute only).
+             train.max_steps on that many GPUs predicted from it (compute only), in DDP over
+             a process group of one, as each rank has it. Under it, "communication
+             (modelled)": DDP's buckets as it all-reduced them, a ring all-reduce of each at
+             --busbw, the part hidden under backward, the exposed overflow and last bucket,
+             the per-step flag broadcast (--flag-ms), the slowest rank's share: each part
+             apart, and the step and hours with them (bench/harness/allreduce.py).
+--summary FILE writes every line's figures as JSON after each preset (make gpu-day).
 Under each line, what ran inside (bench/harness/kernels.py): the attention kernels
 of the last warm-up step (profiler kernel names: flash, efficient, math, cudnn;
 CUDA only), and the host syncs of the timed steps, each caught by
@@ -57,11 +65,12 @@ import torch
 from bench.harness.decoding import time_decoding
 from bench.harness.reference import fitting_reference
 from bench.harness.gpu import arguments as gpu_arguments
-from bench.harness.gpu import (PRESETS, VALID_PAIRS, WARMUP_STEPS, WMT_LONGEST, WMT_MEAN, WMT_SD, Setup, gpu_or_tiny,
+from bench.harness.gpu import (PRESETS, VALID_PAIRS, WMT_LONGEST, WMT_MEAN, WMT_SD, Setup, gpu_or_tiny,
                              preset, process_group, stream)
 from bench.harness.steps import MODES, fitting_training, records_graphs
-from bench.harness import synthetic_corpus
+from bench.harness import allreduce, synthetic_corpus
 from model import flops as flops_lib
+from pipeline.core.files import write_json
 from pipeline.device import distributed
 
 
@@ -76,9 +85,9 @@ def figures(r: dict) -> str:
 
 
 def warmup(r: dict, compiled: bool) -> str:
-    if not compiled:
-        return f"warm-up {WARMUP_STEPS} steps {r['warmup_seconds']:.1f} s"
-    return f"compile: {WARMUP_STEPS} warm-up steps {r['warmup_seconds']:.1f} s, {r['warmup_graphs']} graph(s)"
+    settled = "the last compiled nothing new" if r["warmup_settled"] else "the last still compiled: timed all the same"
+    steps = f"{r['warmup_steps']} warm-up steps {r['warmup_seconds']:.1f} s ({settled})"
+    return f"compile: {steps}, {r['warmup_graphs']} graph(s)" if compiled else steps
 
 
 def reference_line(name: str, r: dict) -> str:
@@ -97,7 +106,7 @@ def training_line(name: str, mode: str, r: dict, reference: dict, s: Setup) -> s
     if r.get("timed_compile_seconds"):
         new += (f" in {r['timed_compile_seconds']:.1f} s, left out of the rate "
                 f"({r['wall_tokens_per_s']:,.0f} target tokens/s with them)")
-    steps = len(r["batches"]) - WARMUP_STEPS
+    steps = r["timed_steps"]
     return (f"{name} {mode}: {figures(r)}, {r['tokens_per_s'] / reference['tokens_per_s']:.2f}x of the reference "
             f"({warmup(r, compiled)}{new}; {steps} timed steps of a fresh corpus (seed {r['seed']}), "
             f"{r['tokens_per_step']:,.0f} target tokens/step in {r['accum']} batch(es) of batch.max_tokens "
@@ -106,14 +115,35 @@ def training_line(name: str, mode: str, r: dict, reference: dict, s: Setup) -> s
 
 def share_line(name: str, mode: str, r: dict, whole: dict, s: Setup) -> str:
     """The rank's share of the `mode` step beside the whole step in that mode, and the preset's steps on that many
-    GPUs from it."""
+    GPUs from it, compute only."""
     seconds = r["tokens_per_step"] / r["tokens_per_s"]  # a step's time on each GPU, the all-reduce left out
     hours = s.train_cfg.max_steps * seconds / 3600
     mode = "" if mode == "eager" else f" {mode}"
-    return (f"{name} share{mode}: 1 of {r['ranks']} GPUs: {figures(r)}, {r['tokens_per_s'] / whole['tokens_per_s']:.2f}x "
-            f"the whole step's tokens/s per GPU; {r['tokens_per_step']:,.0f} target tokens/step on this GPU (each "
-            f"batch cut into {r['parts']} row parts, rank 0's), {seconds * 1e3:.1f} ms a step; train.max_steps "
-            f"{s.train_cfg.max_steps:,} on {r['ranks']} GPUs: {hours:.2f} h predicted (compute only, no all-reduce)")
+    return (f"{name} share{mode}: 1 of {r['ranks']} GPUs (DDP over a group of one): {figures(r)}, "
+            f"{r['tokens_per_s'] / whole['tokens_per_s']:.2f}x the whole step's tokens/s per GPU; "
+            f"{r['tokens_per_step']:,.0f} target tokens/step on this GPU (each batch cut into {r['parts']} row parts, "
+            f"rank 0's), {seconds * 1e3:.1f} ms a step; train.max_steps {s.train_cfg.max_steps:,} on {r['ranks']} "
+            f"GPUs: {hours:.2f} h predicted (compute only)")
+
+
+def communication_line(name: str, mode: str, r: dict, s: Setup, busbw: float, flag_ms: float) -> str:
+    """The share line's step with what its compute leaves out, modelled part by part (bench/harness/allreduce.py):
+    each part printed apart, so that a GPU measurement can replace it."""
+    seconds = r["tokens_per_step"] / r["tokens_per_s"]
+    mode = "" if mode == "eager" else f" {mode}"
+    if not r["buckets"]:
+        return f"{name} share{mode} communication: n/a (train.grad_compression's hook: buckets not listed)"
+    b, k = r["buckets"], r["ranks"]
+    p = allreduce.predict(seconds, b, k, busbw, flag_ms, r["slowest"])
+    ms = {key: value * 1e3 for key, value in p.items()}
+    hours = s.train_cfg.max_steps * p["step"] / 3600
+    return (f"{name} share{mode} communication (modelled): {len(b)} DDP buckets, {sum(b) / 2**20:,.1f} MiB, the last "
+            f"{b[-1] / 2**20:,.1f} MiB; ring all-reduce at {busbw:g} GB/s bus bandwidth (--busbw) on {k} GPUs: "
+            f"{ms['allreduce']:.1f} ms a step, {ms['hidden']:.1f} ms under backward (2/3 of compute), exposed "
+            f"{ms['overflow']:.1f} ms overflow + {ms['tail']:.1f} ms last bucket; flag broadcast {ms['flags']:.2f} ms "
+            f"(--flag-ms); slowest of {k} ranks x{r['slowest']:.3f} rank 0's padded tokens: compute "
+            f"{ms['compute']:.1f} ms; a step {ms['step']:.1f} ms, train.max_steps {s.train_cfg.max_steps:,}: "
+            f"{hours:.2f} h predicted")
 
 
 def inside_line(name: str, mode: str, r: dict) -> str:
@@ -147,6 +177,28 @@ def failures_of(name: str, mode: str, r: dict, device: torch.device) -> list[str
     return failed
 
 
+def summary(results: dict, s: Setup, args: argparse.Namespace) -> dict:
+    """One preset's lines as numbers (--summary): per training line its rate, MFU, memory and what compiled when;
+    per share line its prediction, compute only and with communication modelled; decoding's sentences/s."""
+    out = {}
+    for line, r in results.items():
+        if not isinstance(r, dict):
+            out[line] = {"sentences_per_s": r}
+            continue
+        out[line] = {"tokens_per_s": r["tokens_per_s"], "mfu": r["flops_per_s"] / r["peak"].flops if r["peak"].flops
+                     else None, "memory_gib": None if r["memory"] is None else r["memory"] / 2**30,
+                     "warmup_steps": r["warmup_steps"], "warmup_settled": r["warmup_settled"],
+                     "graphs_in_timed_steps": r["new_graphs"], "recompiles_in_timed_steps": len(r["dynamo"].recompiles)}
+        if r.get("ranks", 1) > 1:
+            seconds = r["tokens_per_step"] / r["tokens_per_s"]
+            out[line]["hours_compute_only"] = s.train_cfg.max_steps * seconds / 3600
+            if r["buckets"]:
+                step = allreduce.predict(seconds, r["buckets"], r["ranks"], args.busbw, args.flag_ms, r["slowest"])
+                out[line] |= {"hours_with_communication": s.train_cfg.max_steps * step["step"] / 3600,
+                              "step_ms": {k: v * 1e3 for k, v in step.items()}, "bucket_bytes": r["buckets"]}
+    return out
+
+
 def check(name: str, device: torch.device, args: argparse.Namespace, ctx: distributed.Dist,
           failures: list[str]) -> dict:
     """Every line of one preset: the reference, training per mode, a checkpoint's save, decoding; appends to
@@ -164,7 +216,8 @@ def check(name: str, device: torch.device, args: argparse.Namespace, ctx: distri
         failures += failures_of(name, "reference", reference, device)
         for mode in modes:
             checkpoints = tmp / "checkpoints" if mode == "eager" else None
-            r, s = fitting_training(s, seeds[mode], ctx, args.steps, mode, tmp / mode, checkpoints)
+            steps = args.steps if mode == "eager" else max(args.steps, args.compiled_steps)
+            r, s = fitting_training(s, seeds[mode], ctx, steps, mode, tmp / mode, checkpoints)
             r.pop("trainer").close()
             results[mode] = r
             print(training_line(name, mode, r, reference, s), flush=True)
@@ -181,6 +234,7 @@ def check(name: str, device: torch.device, args: argparse.Namespace, ctx: distri
             r.pop("trainer").close()
             results["share" if mode == "eager" else f"share {mode}"] = r
             print(share_line(name, mode, r, results[mode], s), flush=True)
+            print(communication_line(name, mode, r, s, args.busbw, args.flag_ms), flush=True)
             failures += failures_of(name, "share", r, device)
     sources, _ = synthetic_corpus(args.sentences, seed=100 + PRESETS.index(name), vocab=s.vocab, mean=WMT_MEAN,
                                   sd=WMT_SD, longest=WMT_LONGEST)
@@ -202,6 +256,14 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--ranks", type=int, default=8, help="the share lines' processes (1: no share line)")
     parser.add_argument("--share-modes", nargs="+", choices=MODES, default=["eager", "step"],
                         help="modes whose rank's share is timed (of those in --modes)")
+    parser.add_argument("--summary", type=Path, help="a JSON file the lines' figures are written to, after each "
+                        "preset (a run cut short keeps those done)")
+    parser.add_argument("--compiled-steps", type=int, default=100,
+                        help="timed steps of the compiled modes at least: a late recompile shows in the line")
+    parser.add_argument("--busbw", type=float, default=allreduce.NVLINK_BUSBW_GBS,
+                        help="all-reduce bus bandwidth, GB/s, of the share lines' communication model")
+    parser.add_argument("--flag-ms", type=float, default=allreduce.FLAG_BROADCAST_MS,
+                        help="the per-step flag broadcast's milliseconds in that model")
     return parser
 
 
@@ -213,8 +275,14 @@ def main(argv: list[str] | None = None) -> dict | None:
     if device is None:
         return None
     failures: list[str] = []
+    results, figures_of = {}, {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                               "torch": torch.__version__, "args": {k: str(v) for k, v in vars(args).items()}}
     with process_group(device) as ctx:
-        results = {name: check(name, device, args, ctx, failures) for name in args.models}
+        for name in args.models:
+            results[name] = check(name, device, args, ctx, failures)
+            if args.summary:
+                figures_of[name] = summary(results[name], preset(name, device, args.tiny), args)
+                write_json(args.summary, figures_of)
     if failures:
         for failure in failures:
             print(f"gpu-check FAILED: {failure}", flush=True)

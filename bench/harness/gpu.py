@@ -29,6 +29,7 @@ from stages.batch import write_batches
 WMT_MEAN, WMT_SD, WMT_LONGEST = 28, 14, 250  # BPE tokens per WMT14 en-de sentence (approximate), tokenize.max_len
 TINY = ["model=tiny", "tokenize.vocab_size=100", "batch.max_tokens=512", "train.tokens_per_step=1024"]  # --tiny: on a CPU
 WARMUP_STEPS = 3  # compiling takes a few shapes' worth of steps; DDP sets its buckets up on the first
+SETTLE_STEPS = 5  # warm-up steps more, at most, until one compiles nothing new (steps.timed)
 VALID_PAIRS = 64  # Trainer builds its validation batches (not timed here)
 PRESETS = ("base", "big")
 
@@ -124,9 +125,9 @@ def stream(s: Setup, seed: int, pairs: int, directory: Path) -> TrainingData:
 
 
 def training_data(s: Setup, seed: int, steps: int, directory: Path) -> TrainingData:
-    """stream() with pairs enough that the warm-up and timed steps (and the step prefetched after them) all come
-    from its first epoch: no batch is trained on twice."""
-    needed = (WARMUP_STEPS + steps + 1) * s.batches_per_step
+    """stream() with pairs enough that the warm-up (settling included), the timed and the profiled steps (and the
+    step prefetched after them) all come from its first epoch: no batch is trained on twice."""
+    needed = (WARMUP_STEPS + SETTLE_STEPS + steps + 2) * s.batches_per_step
     pairs, attempt = needed * s.max_tokens // WMT_MEAN, 0
     while True:
         data = stream(s, seed, pairs, directory / f"corpus{attempt}")

@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from bench.harness.kernels import Dynamo, attention_kernels, no_host_syncs, profiled
-from bench.harness import sync
-from bench.harness.gpu import WARMUP_STEPS, Setup, digest, fresh, training_data
+from bench.harness import allreduce, sync
+from bench.harness.gpu import SETTLE_STEPS, WARMUP_STEPS, Setup, digest, fresh, training_data
 from pipeline.core.tracking import StageRun
 from pipeline.corpus import steps as division
 from pipeline.device import distributed, graphs
@@ -36,17 +36,23 @@ def records_graphs(mode: str) -> bool:
 def timed(step: Callable[[], object], count: Callable[[], tuple[float, float]], steps: int,
           device: torch.device, check_syncs: bool = True, compiling: Callable[[], float] = lambda: 0.0,
           warmup: int = WARMUP_STEPS, kernels: bool = True) -> dict:
-    """`warmup` calls of `step` (compiling falls here; where `kernels`, the last one profiled on CUDA: the attention
-    kernels it ran), then `steps` timed ones (on CUDA under set_sync_debug_mode where `check_syncs`: each host sync is
-    recorded); `count`: (target tokens, FLOPs) trained so far. Seconds and dynamo's work of each part apart;
-    tokens/s, FLOP/s and peak memory of the timed part, over its seconds less those `compiling` (seconds spent
-    compiling so far) grew by: a graph compiled once during the timed steps is a one-off cost of the run, not its
-    rate (its seconds are given apart)."""
-    start = time.perf_counter()
+    """`warmup` calls of `step`, and up to SETTLE_STEPS more until one compiles nothing new (compiling falls here:
+    the timing starts after a step that built no graph; warmup_steps counts them), then `steps` timed ones (on CUDA
+    under set_sync_debug_mode where `check_syncs`: each host sync is recorded), then, where `kernels`, one more
+    profiled on CUDA, untimed (the attention kernels it ran: the profiler never runs before a timed step);
+    `count`: (target tokens, FLOPs) trained so far. Seconds and dynamo's work of each part apart; tokens/s, FLOP/s
+    and peak memory of the timed part, over its seconds less those `compiling` (seconds spent compiling so far)
+    grew by: a graph compiled once during the timed steps is a one-off cost of the run, not its rate (its seconds
+    are given apart)."""
+    start, done = time.perf_counter(), 0
     with Dynamo() as warm:
-        for i in range(warmup):
-            with profiled(device) if kernels and i == warmup - 1 else contextlib.nullcontext() as names:
-                step()
+        while True:
+            graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+            step()
+            done += 1
+            settled = torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+            if done >= warmup and (settled or done >= warmup + SETTLE_STEPS):
+                break
     sync(device)
     warmup_seconds = time.perf_counter() - start
     if device.type == "cuda":
@@ -60,19 +66,27 @@ def timed(step: Callable[[], object], count: Callable[[], tuple[float, float]], 
     seconds, compile_seconds = time.perf_counter() - start, compiling() - compiled_before
     tokens, flops = count()[0] - tokens, count()[1] - flops
     rate_seconds = max(seconds - compile_seconds, 1e-9)
+    memory = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    with profiled(device) if kernels else contextlib.nullcontext() as names:
+        if kernels:  # after the timing: the profiler's hooks slow nothing timed
+            step()
     return {"tokens_per_s": tokens / rate_seconds, "flops_per_s": flops / rate_seconds, "tokens_per_step": tokens / steps,
             "timed_compile_seconds": compile_seconds, "wall_tokens_per_s": tokens / seconds,
-            "memory": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
-            "warmup_seconds": warmup_seconds, "warmup_graphs": warm.graphs, "new_graphs": during.graphs,
+            "memory": memory, "warmup_seconds": warmup_seconds, "warmup_steps": done, "warmup_settled": settled,
+            "warmup_graphs": warm.graphs, "new_graphs": during.graphs,
             "dynamo": during, "warmup_dynamo": warm, "syncs_checked": checked.checked, "host_syncs": checked.syncs,
             "attention": None if names is None else attention_kernels(names)}
 
 
-def trainer(s: Setup, data: TrainingData, ctx: distributed.Dist, mode: str, checkpoints: Path | None) -> Trainer:
-    """The train stage's Trainer for this preset in `mode` (MODES), writing checkpoints to `checkpoints`."""
+def trainer(s: Setup, data: TrainingData, ctx: distributed.Dist, mode: str, checkpoints: Path | None,
+            ddp: bool = False) -> Trainer:
+    """The train stage's Trainer for this preset in `mode` (MODES), writing checkpoints to `checkpoints`; wrapped in
+    DDP (over the process group of one) only with `ddp`, as a rank of several GPUs has it: a train.devices=1 run
+    has no DDP."""
     cfg = replace(s.train_cfg, compile=mode != "eager", cuda_graphs=records_graphs(mode),
                   compile_scope="step" if mode.startswith("step") else "layers")
-    return Trainer(data, s.model_cfg, cfg, s.max_tokens, ctx, StageRun(), phash="gpu-check", checkpoints=checkpoints)
+    return Trainer(data, s.model_cfg, cfg, s.max_tokens, ctx, StageRun(), phash="gpu-check", checkpoints=checkpoints,
+                   ddp=ddp)
 
 
 def as_rank_share(t: Trainer, ranks: int) -> None:
@@ -95,10 +109,12 @@ def time_training(s: Setup, data: TrainingData, ctx: distributed.Dist, steps: in
     never fall in the timed steps. `ranks` > 1: the step as rank 0's share of that many processes (as_rank_share),
     its own target tokens counted, and its FLOPs as the step's in proportion to them."""
     fresh(s.device)
-    t = trainer(s, data, ctx, mode, checkpoints)
+    t = trainer(s, data, ctx, mode, checkpoints, ddp=ranks > 1)
     p, taken, mine = t.progress, [], [0]
+    buckets = None
     if ranks > 1:
         as_rank_share(t, ranks)
+        buckets = allreduce.Buckets(t.loss_model) if t.cfg.grad_compression == "none" else None
 
     def step() -> None:
         order = t.epoch_order()
@@ -109,9 +125,12 @@ def time_training(s: Setup, data: TrainingData, ctx: distributed.Dist, steps: in
     count = ((lambda: (p.train_tokens, p.flops)) if ranks == 1 else
              (lambda: (mine[0], p.flops * mine[0] / max(p.train_tokens, 1))))
     r = timed(step, count, steps, s.device, check_syncs=not records_graphs(mode), compiling=lambda: p.compile_seconds)
-    timed_batches = [b for ids in taken[WARMUP_STEPS:] for b in ids]
+    timed_batches = [b for ids in taken[r["warmup_steps"]:][:steps] for b in ids]
     recorded, pool = graphs.totals(s.device) if records_graphs(mode) else (None, None)
-    r |= {"accum": t.accum, "parts": t.parts, "ranks": ranks, "peak": t.peak, "trainer": t, "compiled": bool(t.compiled), "epochs": p.epoch + 1,
+    if ranks > 1:  # DDP's buckets as it all-reduces them, and how much longer the slowest rank's share is
+        r |= {"buckets": buckets.layout if buckets else None,
+              "slowest": allreduce.slowest_rank(data, taken[r["warmup_steps"]:][:steps], ranks, t.parts)}
+    r |= {"timed_steps": steps, "accum": t.accum, "parts": t.parts, "ranks": ranks, "peak": t.peak, "trainer": t, "compiled": bool(t.compiled), "epochs": p.epoch + 1,
           "dtype": t.precision.dtype, "batches": taken, "corpus": digest(data),
           "cuda_graphs": recorded, "cuda_graphs_pool": pool,
           # (pairs, longest source, longest target) with EOS / BOS, before any length-bucket padding

@@ -153,6 +153,8 @@ class TrainConfig:
     # forward, loss and backward as one graph; not with R-Drop); eager if compiling fails
     compile: bool = field(metadata={})
     compile_scope: str = field(default="layers", metadata={"choices": ("layers", "step")})
+    compile_recompile_limit: int = field(default=8, metadata={"range": "[1, inf)"})  # graphs a compiled function
+    compile_on_limit: str = field(default="eager", metadata={"choices": ("eager", "fail")})
     # the compiled graphs replayed as CUDA graphs (mode="reduce-overhead", pipeline/device/graphs.py); CUDA only
     cuda_graphs: bool = field(default=False, metadata={})
     # padded tokens per micro-batch (a process's share of a step split by rows: pipeline/training/plan.py);

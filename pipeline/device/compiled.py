@@ -14,6 +14,9 @@ compiles the DDP module, and dynamo splits the graph at DDP's gradient buckets s
 overlaps the backward. Adam stays the fused one (one multi-tensor kernel per device and dtype, its step count
 on the device: pipeline/training/optimizer.py), outside the graph.
 What recompiled and why: watch() (the trainer's metrics/train.json: compile_recompiles and their reasons).
+dynamo's recompile limit is the run's (limited(): train.compile_recompile_limit); a hit, where dynamo would run the
+function eager from then on with nothing but a log line, turns the run eager in the open (fallback: one warning;
+train.json: compile_fallback, compile_fallback_step, compile_eager_steps) or stops it (train.compile_on_limit).
 The caches: keep_cache() puts inductor's on disk beside the checkpoints, so a resumed run loads what the run
 before built (metrics/train.json: compile_cache_hits, compile_cache_misses: cache_counts()).
 
@@ -201,6 +204,26 @@ def marked(forward, dims: tuple[tuple[int, ...], ...]):
     return forward_marked
 
 
+RecompileLimitHit = torch._dynamo.exc.FailOnRecompileLimitHit
+
+
+class RecompileLimitError(PipelineError):
+    """A compiled run passed dynamo's recompile limit and train.compile_on_limit = fail asked to stop there."""
+
+
+@contextlib.contextmanager
+def limited(limit: int) -> Iterator[None]:
+    """dynamo's recompile limit (graphs per function, train.compile_recompile_limit) inside the block, and a hit
+    raised (RecompileLimitHit) where dynamo would otherwise run that function eager from then on, silently."""
+    with torch._dynamo.config.patch(recompile_limit=limit, fail_on_recompile_limit_hit=True):
+        yield
+
+
+def limit_reason(limit: int, reasons: list[str]) -> str:
+    """One line saying why the compiled steps stopped: the limit and the last guard that failed (watch())."""
+    return f"dynamo's recompile limit ({limit} graphs) hit; last guard failed: {reasons[-1] if reasons else '(none given)'}"
+
+
 class CompileClockError(PipelineError):
     """The installed torch calls dynamo's compile callbacks in a way CompileClock does not know."""
 
@@ -264,9 +287,13 @@ def uncompile(layers: list[nn.Module]) -> None:
         layer.__dict__.pop("forward", None)
 
 
-def fallback(layers: list[nn.Module], error: BaseException) -> None:
-    """Back to eager after a compile failure, with one warning saying why."""
+def fallback(layers: list[nn.Module], error: BaseException | str) -> str:
+    """Back to eager after a compile failure (or a recompile limit hit: its reason, a string), with one warning
+    saying why; returns the reason."""
     uncompile(layers)
-    reason = " ".join(str(error).split())[:300] or type(error).__name__
-    log.warning("train.compile: torch.compile (backend %s) failed, training eager instead: %s: %s",
-                backend(), type(error).__name__, reason)
+    if isinstance(error, str):
+        log.warning("train.compile: %s; training eager from here (train.compile_on_limit=fail stops instead)", error)
+        return error
+    reason = f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"
+    log.warning("train.compile: torch.compile (backend %s) failed, training eager instead: %s", backend(), reason)
+    return reason

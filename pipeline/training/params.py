@@ -22,14 +22,15 @@ from pipeline.weights import checkpoint as ckpt
 # Train params that do not change the weights of a given step: changing them
 # resumes the old run instead of restarting it (e.g. a larger max_steps continues).
 # devices: a step's batches do not depend on it (pipeline/corpus/steps.py).
-# compile, compile_scope: the same function of the same weights, rounded otherwise (as on another GPU); a run that falls
+# compile, compile_scope, compile_recompile_limit, compile_on_limit: the same function of the same weights, rounded otherwise (as on another GPU); a run that falls
 # back to eager (compiled.py) must resume its own checkpoints, and switching it should not cost the run.
 # micro_batch_tokens: how a process cuts its share into micro-batches; the gradient is summed over them all the same.
 # cpu_matmul: the setting as written; what it resolves to on this machine (the Precision's key) is hashed instead.
 # ddp_bucket_mb, ddp_static_graph: how DDP groups and schedules the same all-reduce (grad_compression rounds: hashed,
 # but as none on one process: hashed_train).
 NOT_WEIGHT_SHAPING = ("max_steps", "max_minutes", "eval_every", "log_every", "checkpoint_every", "keep_checkpoints",
-                      "devices", "timeout_minutes", "compile", "compile_scope", "cuda_graphs", "micro_batch_tokens", "cpu_matmul",
+                      "devices", "timeout_minutes", "compile", "compile_scope", "compile_recompile_limit",
+                      "compile_on_limit", "cuda_graphs", "micro_batch_tokens", "cpu_matmul",
                       "ddp_bucket_mb", "ddp_static_graph")
 
 

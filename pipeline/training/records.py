@@ -48,6 +48,9 @@ class Progress:
     recompiles: int = 0  # of them, rebuilt for a shape or value their guards did not admit (compiled.watch)
     recompile_reasons: list = field(default_factory=list)  # the first RECOMPILE_REASONS, as dynamo gave them
     compile_cache: list[int] = field(default_factory=lambda: [0, 0])  # compiled graphs loaded, built (cache_counts)
+    fallback: str = ""  # why a compiled run turned eager (a compile failure, the recompile limit), "" while it has not
+    fallback_step: int | None = None  # the step it turned eager at
+    eager_steps: int = 0  # steps trained eager since
     valid: dict = field(default_factory=dict)
     plot_rows: list = field(default_factory=list)
     code_changes: list = field(default_factory=list)  # [{"step", "files"}]: resumed across a code change
@@ -58,6 +61,10 @@ class Progress:
         """Count a step's recompiles and keep the first RECOMPILE_REASONS reasons of the run."""
         self.recompiles += len(reasons)
         self.recompile_reasons += reasons[: max(RECOMPILE_REASONS - len(self.recompile_reasons), 0)]
+
+    def fell_back(self, step: int, reason: str) -> None:
+        """The compiled steps turned eager at `step`, for `reason` (the last fallback of a resumed run is kept)."""
+        self.fallback, self.fallback_step = reason, step
 
     @property
     def train_seconds(self) -> float:
@@ -116,6 +123,10 @@ def train_metrics(p: Progress, *, stopped_by_time: bool, train_batches: int, cud
         "compile_graphs": p.compile_graphs,
         "compile_recompiles": p.recompiles,  # and the guards that failed, first RECOMPILE_REASONS of them:
         "compile_recompile_reasons": " | ".join(p.recompile_reasons),
+        # a compiled run that turned eager: why, at which step, and how many steps ran eager since ("", None, 0)
+        "compile_fallback": p.fallback,
+        "compile_fallback_step": p.fallback_step,
+        "compile_eager_steps": p.eager_steps,
         # of the graphs, loaded from the compile cache (data/compile_cache: a resumed run) and built anew
         "compile_cache_hits": p.compile_cache[0],
         "compile_cache_misses": p.compile_cache[1],

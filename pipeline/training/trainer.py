@@ -77,7 +77,7 @@ class Trainer(RunCheckpoints):
 
     def __init__(self, data: TrainingData, model_cfg: ModelConfig, cfg: TrainConfig, max_tokens: int, ctx: Dist,
                  run: tracking.StageRun, phash: str, checkpoints: Path | None = None, plot: Path | None = None,
-                 precision: Precision | None = None):
+                 precision: Precision | None = None, ddp: bool = False):
         self.data, self.model_cfg, self.cfg, self.ctx, self.run = data, model_cfg, cfg, ctx, run
         self.phash, self.checkpoints, self.plot = phash, checkpoints, plot
         self._order: tuple[int, np.ndarray] = (-1, np.zeros(0, np.int64))  # (epoch, its batch order)
@@ -119,7 +119,7 @@ class Trainer(RunCheckpoints):
         # chunked: no [N, V] logits (model/loss.py), but with R-Drop (model/rdrop.py) and the whole step compiled
         self.loss_model: nn.Module = SmoothedLoss(self.model, cfg.label_smoothing, rdrop_alpha=cfg.rdrop_alpha,
                                                   rdrop_fraction=cfg.rdrop_fraction, padded=scope == "step")
-        if ctx.world > 1 or torch.distributed.is_initialized():  # a group of one too: bench.gpu.check times DDP
+        if ctx.world > 1 or ddp:  # `ddp`: in a process group of one too (bench.gpu.check's share line times it)
             self.loss_model = distributed.ddp(self.loss_model, ctx, cfg.ddp_bucket_mb, cfg.ddp_static_graph,
                                               cfg.grad_compression)  # no buffer sync per forward, on any torch
         self.forward = compiled.compile_step(self.loss_model, graphs.mode(cfg.cuda_graphs)) if scope == "step" else None
@@ -191,6 +191,7 @@ class Trainer(RunCheckpoints):
         loss_sum = self.compiled_or_eager(lambda: train_step(self.loss_model, self.optimizer, micro, int(T.sum()), lr,
                                                              ctx, self.autocast, self.scaler, self.forward))
         p.step += 1
+        p.eager_steps += bool(p.fallback)  # steps trained eager after a compiled run fell back
         p.train_tokens += int(T.sum())
         p.src_tokens += int(S.sum())
         p.step_tokens_range = widen(p.step_tokens_range, int(S.sum()), int(T.sum()))
@@ -200,7 +201,8 @@ class Trainer(RunCheckpoints):
         return loss_sum, sum(b.tokens for b, real in micro if real), lr
 
     def compiled_or_eager(self, run, step: bool = True):
-        """run(); if the compiled layers fail to compile, back to eager (one warning) and run() again.
+        """run(); if the compiled layers fail to compile or pass the recompile limit, back to eager (one warning,
+        recorded: Progress.fell_back) and run() again; train.compile_on_limit = fail stops at a limit instead.
 
         A failure comes from a layer's forward, before any Adam update: the step's gradients so far are
         dropped and the RNGs (dropout) put back, so the repeat is the step eager would have trained.
@@ -212,10 +214,16 @@ class Trainer(RunCheckpoints):
         seconds, graphs = compiled.compile_totals()
         cached = compiled.cache_counts()
         try:
-            with compiled.watch() as seen:
+            with compiled.watch() as seen, compiled.limited(self.cfg.compile_recompile_limit):
                 return run()
-        except compiled.COMPILE_FAILURES as e:
-            compiled.fallback(self.layers, e)
+        except (*compiled.COMPILE_FAILURES, compiled.RecompileLimitHit) as e:
+            if isinstance(e, compiled.RecompileLimitHit):
+                e = compiled.limit_reason(self.cfg.compile_recompile_limit, seen.reasons)
+                if self.cfg.compile_on_limit == "fail":
+                    raise compiled.RecompileLimitError(f"train.compile: step {self.progress.step + 1}: {e}; raise "
+                                                       "train.compile_recompile_limit, or set train.compile_on_limit="
+                                                       "eager to go on eager") from None
+            self.progress.fell_back(self.progress.step + 1, compiled.fallback(self.layers, e))
             self.layers, self.forward = [], None
             zero_grads(self.optimizer, self.loss_model)
             ckpt.restore_rng(rng)

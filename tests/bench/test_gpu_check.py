@@ -9,6 +9,7 @@ checkpoint it saves, decoding in the translate stage's precision and every print
 
 from __future__ import annotations
 
+import json
 import re
 
 import numpy as np
@@ -22,6 +23,7 @@ from bench.harness import kernels as gpu_kernels
 from bench.harness import gpu as gpu_setup
 from bench.harness import steps as gpu_timing
 from model.dropout import Dropout
+from model.transformer import Transformer
 from pipeline.core import config
 from pipeline.core.tracking import StageRun
 from pipeline.corpus import steps
@@ -29,6 +31,7 @@ from pipeline.device import compiled, distributed
 from pipeline.training.trainer import Trainer
 from pipeline.weights import fingerprint
 from pipeline.weights.checkpoint import resume_point
+from tests.fixtures.train import ROOT
 
 CPU = torch.device("cpu")
 
@@ -59,30 +62,34 @@ def test_each_stream_is_a_fresh_corpus_batched_by_the_batch_stage_with_the_whole
     assert gpu_setup.digest(a) != gpu_setup.digest(b)
 
 
-def test_gpu_check_times_the_trainers_step_under_ddp_in_epoch_order_and_saves_a_resumable_checkpoint(tmp_path):
+def test_gpu_check_times_the_trainers_step_as_one_gpu_runs_it_in_epoch_order_and_saves_a_resumable_checkpoint(
+        tmp_path):
+    """A train.devices=1 run has no DDP, and neither has the line that times it (the share line has: its own test);
+    the warm-up ends on a step that compiled nothing, the profiled step comes after the timed ones."""
     s = gpu_check.preset("base", CPU, tiny=True)
     data = gpu_setup.training_data(s, 1, 2, tmp_path / "corpus")
     n = 2
     with gpu_setup.process_group(CPU) as ctx:
         r = gpu_timing.time_training(s, data, ctx, n, "eager", tmp_path / "ck")
         t = r.pop("trainer")
-        assert isinstance(t.loss_model, DistributedDataParallel)  # DDP as each rank of a preset's run has it
+        assert not isinstance(t.loss_model, DistributedDataParallel)
         t.close()
     assert r["tokens_per_s"] > 0 and r["accum"] == 2 and not r["compiled"]  # tokens_per_step 1024 / max_tokens 512
     assert r["warmup_seconds"] > 0 and r["new_graphs"] == 0
+    assert r["warmup_steps"] == gpu_setup.WARMUP_STEPS and r["warmup_settled"]  # eager: nothing to compile
     # The steps took the batches in the trainer's epoch order, none twice, all in the first epoch.
     taken = [b for ids in r["batches"] for b in ids]
     assert taken == steps.epoch_order(len(data.train_batches), s.train_cfg.seed, 0)[: len(taken)].tolist()
-    assert len(r["batches"]) == gpu_setup.WARMUP_STEPS + n and r["epochs"] == 1
+    assert len(r["batches"]) == gpu_setup.WARMUP_STEPS + n + 1 and r["epochs"] == 1  # + the profiled step
     assert len(r["batch_shapes"]) == n * r["accum"]
     # The checkpoint it timed is the train stage's: resumed as one (sealed, the trainer's code) ...
     found = resume_point(tmp_path / "ck", "gpu-check", fingerprint.code_fingerprint("stages.train"))
-    assert found is not None and found.payload["step"] == gpu_setup.WARMUP_STEPS + n
+    assert found is not None and found.payload["step"] == gpu_setup.WARMUP_STEPS + n + 1
     # ... with the weights the Trainer gets without the group: DDP over one process changes no number.
     plain = Trainer(data, s.model_cfg, s.train_cfg.__class__(**{**vars(s.train_cfg), "compile": False}), s.max_tokens,
                     distributed.Dist(0, 1, 0, CPU), StageRun(), phash="")
     assert not isinstance(plain.loss_model, DistributedDataParallel)
-    for _ in range(gpu_setup.WARMUP_STEPS + n):
+    for _ in range(gpu_setup.WARMUP_STEPS + n + 1):
         plain.step(plain.epoch_order())
     for name, want in plain.model.state_dict().items():
         assert torch.equal(found.payload["model"][name], want), name
@@ -153,7 +160,7 @@ def tokens_per_s(line: str) -> float:
     return float(line.split(" target tokens/s")[0].split(": ")[1].replace(",", ""))
 
 
-def test_gpu_check_prints_the_reference_then_each_mode_on_its_own_corpus_then_decoding(monkeypatch, capsys):
+def test_gpu_check_prints_the_reference_then_each_mode_on_its_own_corpus_then_decoding(monkeypatch, capsys, tmp_path):
     """--tiny (hidden): the same code with a small model on the CPU, so the GPU run meets no untried line."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setenv(compiled.BACKEND_ENV, "eager")  # dynamo without AOT autograd: the fastest compile there is
@@ -161,15 +168,17 @@ def test_gpu_check_prints_the_reference_then_each_mode_on_its_own_corpus_then_de
     # step modes' graphs are those a GPU builds
     monkeypatch.setattr(Dropout, "forward", lambda self, x: torch.nn.functional.dropout(x, self.p, self.training))
     torch._dynamo.reset()
-    results = gpu_check.main(["--tiny", "--models", "base", "--steps", "2", "--sentences", "4"])
+    results = gpu_check.main(["--tiny", "--models", "base", "--steps", "2", "--compiled-steps", "3", "--sentences", "4",
+                              "--summary", str(tmp_path / "summary.json")])
     torch._dynamo.reset()
     lines = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in lines] == [
         "base reference", "base reference inside", "base eager", "base eager inside", "base", "base compiled",
         "base compiled inside", "base graphs", "base graphs inside", "base step", "base step inside",
-        "base step-graphs", "base step-graphs inside", "base share", "base share step", "base", "base"], lines
+        "base step-graphs", "base step-graphs inside", "base share", "base share communication (modelled)",
+        "base share step", "base share step communication (modelled)", "base", "base"], lines
     (reference, _, eager, eager_inside, save, comp, comp_inside, graphs, graphs_inside, step, step_inside,
-     step_graphs, step_graphs_inside, share, share_step, decode_stage, decode_fp32) = lines
+     step_graphs, step_graphs_inside, share, share_comm, share_step, _, decode_stage, decode_fp32) = lines
     r = results["base"]
     # The reference: the step's tokens in one fixed-shape micro-batch, the whole loss compiled.
     assert "1 x [32, 32] micro-batch" in reference and "under one torch.compile" in reference, reference
@@ -180,14 +189,17 @@ def test_gpu_check_prints_the_reference_then_each_mode_on_its_own_corpus_then_de
         assert "target tokens/s" in line and "MFU" in line and "n/a peak" in line, line
         ratio = float(re.search(r", ([\d.]+)x of the reference \(", line)[1])
         assert ratio == pytest.approx(tokens_per_s(line) / tokens_per_s(reference), rel=0.02, abs=0.01), line
-        assert "2 timed steps of a fresh corpus" in line and "in 2 batch(es) of batch.max_tokens 512" in line, line
-        assert len(r[mode]["batches"]) == gpu_setup.WARMUP_STEPS + 2
+        n = 2 if mode == "eager" else 3  # the compiled modes: --compiled-steps at least
+        assert f"{n} timed steps of a fresh corpus" in line and "in 2 batch(es) of batch.max_tokens 512" in line, line
+        assert len(r[mode]["batches"]) == r[mode]["warmup_steps"] + n + 1  # + the profiled step, after the timing
     # Compile time apart from the timed steps' tokens/s, with the graphs compiled in each part.
     for line, mode in every[1:]:
-        assert re.search(r"\(compile: 3 warm-up steps [\d.]+ s, [1-9]\d* graph\(s\); 0 graph\(s\) compiled during "
-                         r"the timed steps;", line), line
+        warm = re.search(r"\(compile: (\d+) warm-up steps [\d.]+ s \(the last compiled nothing new\), [1-9]\d* "
+                         r"graph\(s\); 0 graph\(s\) compiled during the timed steps;", line)
+        assert warm and int(warm[1]) == r[mode]["warmup_steps"] >= gpu_setup.WARMUP_STEPS, line
         assert r[mode]["compiled"] and r[mode]["warmup_graphs"] > 0 and r[mode]["new_graphs"] == 0
-    assert re.search(r"\(warm-up 3 steps [\d.]+ s; 2 timed", eager) and "graph" not in eager, eager
+    assert re.search(r"\(3 warm-up steps [\d.]+ s \(the last compiled nothing new\); 2 timed", eager), eager
+    assert "graph" not in eager, eager
     # What ran inside: kernel names and the sync check are CUDA's; dynamo's work during the timed steps is counted.
     assert eager_inside == ("base eager inside: attention kernels: kernel names are CUDA-only; host syncs not checked "
                             "(CUDA only)"), eager_inside
@@ -206,27 +218,56 @@ def test_gpu_check_prints_the_reference_then_each_mode_on_its_own_corpus_then_de
     assert re.search(r"checkpoint [\d.]+ MiB saved in [\d.]+ s", save), save
     # One of 8 ranks' share of the eager step: each of the step's 2 batches cut into 4 row parts, rank 0's one
     # piece of the 8 (pipeline/corpus/steps.py), its own tokens counted; the prediction follows from its rate.
-    assert re.fullmatch(r"base share: 1 of 8 GPUs: [\d,]+ target tokens/s, [\d.]+% MFU, n/a peak, [\d.]+x the whole "
-                        r"step's tokens/s per GPU; [\d,]+ target tokens/step on this GPU \(each batch cut into 4 row "
-                        r"parts, rank 0's\), [\d.]+ ms a step; train.max_steps [\d,]+ on 8 GPUs: [\d.]+ h predicted "
-                        r"\(compute only, no all-reduce\)", share), share
+    assert re.fullmatch(r"base share: 1 of 8 GPUs \(DDP over a group of one\): [\d,]+ target tokens/s, [\d.]+% MFU, "
+                        r"n/a peak, [\d.]+x the whole step's tokens/s per GPU; [\d,]+ target tokens/step on this GPU "
+                        r"\(each batch cut into 4 row parts, rank 0's\), [\d.]+ ms a step; train.max_steps [\d,]+ on 8 "
+                        r"GPUs: [\d.]+ h predicted \(compute only\)", share), share
     whole, part = r["eager"], r["share"]
     assert part["parts"] == 4 and part["ranks"] == 8 and whole["parts"] == 1
     assert all(len(ids) == 2 for ids in part["batches"])  # the step's batches, of which it trains its share
     assert 0 < part["tokens_per_step"] < whole["tokens_per_step"] / 4  # a 1/8 share: about an eighth of the tokens
-    assert re.fullmatch(r"base share step: 1 of 8 GPUs: [\d,]+ target tokens/s, .* [\d.]+ h predicted \(compute "
-                        r"only, no all-reduce\)", share_step), share_step
+    assert re.fullmatch(r"base share step: 1 of 8 GPUs \(DDP over a group of one\): [\d,]+ target tokens/s, .* "
+                        r"[\d.]+ h predicted \(compute only\)", share_step), share_step
     assert r["share step"]["compiled"] and r["share step"]["parts"] == 4
     assert r["share step"]["seed"] != r["share"]["seed"]
     seconds = part["tokens_per_step"] / part["tokens_per_s"]
     hours = float(re.search(r"on 8 GPUs: ([\d.]+) h", share)[1])
     assert hours == pytest.approx(gpu_check.preset("base", CPU, tiny=True).train_cfg.max_steps * seconds / 3600,
                                   rel=0.02, abs=0.006)
+    # Communication, modelled beside the compute: DDP's buckets as it all-reduced them (every parameter's bytes once),
+    # each part in ms, and the step their sum.
+    layout = part["buckets"]
+    tiny = gpu_check.preset("base", CPU, True)
+    model_bytes = sum(p.numel() * 4 for p in Transformer(tiny.model_cfg, tiny.vocab).parameters())
+    assert len(layout) >= 1 and sum(layout) == model_bytes and part["slowest"] >= 1.0
+    ms = dict((k, float(v)) for v, k in re.findall(r"([\d.]+) ms (a step|under backward|overflow|last bucket)", share_comm))
+    compute = float(re.search(r"compute ([\d.]+) ms", share_comm)[1])
+    flags = float(re.search(r"flag broadcast ([\d.]+) ms", share_comm)[1])
+    total = float(re.search(r"; a step ([\d.]+) ms", share_comm)[1])
+    assert total == pytest.approx(compute + ms["overflow"] + ms["last bucket"] + flags, abs=0.2), share_comm
+    assert compute == pytest.approx(seconds * 1e3 * part["slowest"], rel=0.01, abs=0.05), share_comm
+    assert f"{len(layout)} DDP buckets" in share_comm and "450 GB/s bus bandwidth" in share_comm, share_comm
+    # --summary: the same figures as numbers, the share line's hours with communication too.
+    written = json.loads((tmp_path / "summary.json").read_text())
+    assert written["device"] == "cpu" and set(written["base"]) == set(results["base"])
+    assert written["base"]["eager"]["tokens_per_s"] == pytest.approx(whole["tokens_per_s"])
+    assert written["base"]["share"]["step_ms"]["step"] == pytest.approx(total, abs=0.1)
+    assert written["base"]["share"]["hours_with_communication"] > written["base"]["share"]["hours_compute_only"]
     # Decoding: beam 4 as the translate stage decodes (fp32) and in the training precision (fp32 on a CPU).
     assert re.fullmatch(r"base: beam 4, the translate stage's precision, fp32 weights: [\d.]+ sentences/s "
                         r"\(translate_ids\)", decode_stage), decode_stage
     assert re.fullmatch(r"base: beam 4, the training precision, fp32 weights: [\d.]+ sentences/s \(translate_ids\)",
                         decode_fp32), decode_fp32
+
+
+def test_make_gpu_day_runs_gpu_check_with_flags_it_has_within_nine_minutes():
+    """The next lent GPU's one call: base before big, eager and the whole compiled step, within 540 s."""
+    recipe = re.search(r"^gpu-day:\n((?:\t.*\n)+)", (ROOT / "Makefile").read_text(), re.M)[1]
+    command = " ".join(line.strip().rstrip("\\") for line in recipe.splitlines())
+    assert "timeout 540 python -m bench.gpu.check" in command, command
+    argv = command.split("bench.gpu.check", 1)[1].split("|")[0].split()
+    args = gpu_check.arguments().parse_args(argv)
+    assert args.models == ["base", "big"] and args.modes == ["eager", "step"] and args.summary is not None
 
 
 def test_a_host_sync_in_the_timed_steps_fails_the_line_and_keeps_its_figures():

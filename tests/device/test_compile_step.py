@@ -62,6 +62,48 @@ def test_a_stream_of_shapes_builds_one_graph_and_a_single_row_one_more_with_its_
     torch.testing.assert_close(got, real(src, tgt_in, labels, int((labels != 0).sum())), rtol=1e-5, atol=1e-5)
 
 
+def test_past_the_recompile_limit_dynamo_raises_where_it_would_run_eager_unseen():
+    """Limit 2: a stream of shapes (one graph), one row (a second), a source of length 1 (a third: past the limit):
+    raised, not run eager with a log line; under the limit nothing changes."""
+    model = Transformer(ModelConfig(**MODEL), VOCAB)
+    forward, rng = compiled.compile_step(SmoothedLoss(model, 0.1, padded=True)), torch.Generator().manual_seed(0)
+    with compiled.watch() as seen, compiled.limited(2):
+        for rows, s, t in ((3, 5, 4), (4, 7, 6), (1, 6, 5)):
+            forward(*batch(rows, s, t, rng))
+        with pytest.raises(compiled.RecompileLimitHit):
+            forward(*batch(3, 1, 4, rng))
+    assert graphs() == 2 and "limit (2 graphs)" in compiled.limit_reason(2, seen.reasons)
+    assert "src.size()[1]" in compiled.limit_reason(2, seen.reasons)  # the guard that failed last
+
+
+@pytest.mark.parametrize("on_limit", ["eager", "fail"])
+def test_a_run_past_the_recompile_limit_turns_eager_in_the_open_or_stops(tmp_path, caplog, monkeypatch, on_limit):
+    """Nothing marked dynamic and a limit of 1: the second shape passes it. eager: one warning, the step repeated
+    eager and every step after it (train.json: why, from which step, how many), the weights of an eager run;
+    fail: one line naming the step and the keys to change, no checkpoint."""
+    monkeypatch.setattr(compiled, "STEP_DIMS", ((), (), ()))
+    keys = dict(max_steps=4, checkpoint_every=0, eval_every=0, adam_eps=1e-4, model={"dropout": 0.1})
+    write_corpus(tmp_path / "step")
+    params = write_params(tmp_path / "step" / "p.yaml", compile=True, compile_scope="step", compile_recompile_limit=1,
+                          compile_on_limit=on_limit, **keys)
+    if on_limit == "fail":
+        with pytest.raises(compiled.RecompileLimitError, match=r"train.compile: step \d: dynamo's recompile limit "
+                                                               r"\(1 graphs\) hit; last guard failed: .*train.compile_on_limit=eager"):
+            run_stage(tmp_path / "step", params)
+        assert not list((tmp_path / "step").glob("checkpoints/*.pt"))
+        return
+    m = run_stage(tmp_path / "step", params)
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "train.compile" in r.getMessage()]
+    assert len(warned) == 1 and "recompile limit (1 graphs) hit" in warned[0] and "eager" in warned[0]
+    assert m["compile_fallback"].startswith("dynamo's recompile limit (1 graphs) hit; last guard failed: ")
+    assert 1 <= m["compile_fallback_step"] <= 4 and m["compile_graphs"] >= 1 and m["compile_eager_steps"] == 4 - m["compile_fallback_step"] + 1
+    write_corpus(tmp_path / "eager")
+    run_stage(tmp_path / "eager", write_params(tmp_path / "eager" / "p.yaml", compile=False, **keys))
+    want, got = final_weights(tmp_path / "eager"), final_weights(tmp_path / "step")
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
 def failing_compiler(gm, example_inputs):
     raise RuntimeError("injected compiler failure")
 
@@ -129,15 +171,17 @@ def test_the_compile_cache_goes_beside_the_checkpoints_unless_the_user_chose_one
     assert compiled.keep_cache(tmp_path / "compile_cache") == str(tmp_path / "mine")
 
 
-def test_two_processes_with_the_whole_step_compiled_update_like_one_eager_process(tmp_path):
+@pytest.mark.parametrize("static_graph", [False, True], ids=["dynamic graph", "static graph"])
+def test_two_processes_with_the_whole_step_compiled_update_like_one_eager_process(tmp_path, static_graph):
     """DDP compiled whole (dynamo splits the graph at DDP's buckets) against one eager process taking the same
-    step in micro-batches: the same update, as test_train's two eager processes."""
+    step in micro-batches: the same update, as test_train's two eager processes; with train.ddp_static_graph
+    too (DDP told the graph never changes, under the compiled step)."""
     one, two = tmp_path / "one", tmp_path / "two"
     for root, devices, micro, compile_ in ((one, 1, 12, False), (two, 2, 0, True)):
         write_corpus(root, max_tokens=48)
         write_params(root / "params.yaml", max_tokens=48, devices=devices, tokens_per_step=48, max_steps=4,
                      checkpoint_every=0, eval_every=0, micro_batch_tokens=micro, adam_eps=1e-4, compile=compile_,
-                     compile_scope="step")
+                     compile_scope="step", ddp_static_graph=static_graph and devices == 2)
     m1 = run_stage(one, one / "params.yaml")
     out = torchrun(two, two / "params.yaml", 2, TRANSFORMER_COMPILE_BACKEND="aot_eager")
     assert out.returncode == 0, out.stderr[-3000:]

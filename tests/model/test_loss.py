@@ -334,7 +334,8 @@ def test_windows_count_every_row_once_in_a_few_shapes(n):
     assert counted == list(range(n))  # each row once, in order
     for start, stop, skip in windows:
         assert 0 <= skip < stop - start
-        assert stop - start in (CHUNK, *range(GRAIN, CHUNK, GRAIN)) or stop - start == n  # n: smaller than a grain
+        assert stop - start in (CHUNK, *range(GRAIN, CHUNK, GRAIN))  # under a grain too: padded in front
+        assert start >= 0 or (start + skip == 0 and len(windows) == 1)  # padding only before a lone window
     assert loss_lib.windows(n, CHUNK) == [(s, min(s + CHUNK, n), 0) for s in range(0, n, CHUNK)]  # grain 0: as it is
     assert loss_lib.row_grain(CPU) == 0 and loss_lib.row_grain(torch.device("cuda")) == loss_lib.ProjectedSmoothedLoss.ROW_GRAIN
 
@@ -379,12 +380,36 @@ def test_the_last_window_of_a_grain_takes_the_fused_chunk_too_counting_each_row_
         torch.testing.assert_close(g, w, rtol=tol["grad"], atol=tol["grad"] * float(w.abs().max()))
 
 
-def test_validation_with_a_grain_sums_each_row_once(monkeypatch):
+@pytest.mark.parametrize("d_model", [512, 1024], ids=["base", "big"])
+def test_a_gpu_share_of_a_paper_step_takes_one_fused_graph_padded_in_front(compiled_with, d_model):
+    """A rank's 1/8 of the paper's step (25061 target tokens: ~3133 rows, under the GPU's 4096-row chunk) with the
+    GPU's chunk and grain: two shares of different sizes, each padded in front to 3584 rows (7 grains), both
+    through one compiled graph; loss and gradients those of cross-entropy over the real rows alone."""
+    compiled_with("aot_eager")
+    chunk, grain = loss_lib.ProjectedSmoothedLoss.GPU_CHUNK, loss_lib.ProjectedSmoothedLoss.ROW_GRAIN
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for n in (25061 // 8, 3100):
+        g = torch.Generator().manual_seed(n)
+        hidden, weight = torch.randn(n, d_model, generator=g), torch.randn(64, d_model, generator=g) * d_model**-0.5
+        targets = torch.randint(0, 64, (n,), generator=g)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(loss_lib, "_chunk", lambda *a: pytest.fail(f"an eager chunk of {len(a[1])} rows"))
+            got = loss_and_grads(lambda h, w: loss_lib.ProjectedSmoothedLoss.apply(h, w, targets, EPS, None, chunk,
+                                                                                    True, True, grain), hidden, weight)
+        assert got[1].shape == hidden.shape  # the padding's gradient rows dropped
+        for a, b in zip(got, reference(hidden, weight, targets)):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * float(b.abs().max()))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 1  # 3584 rows, both shares
+
+
+@pytest.mark.parametrize("n, rows", [(N, {CHUNK, GRAIN}), (13, {2 * GRAIN})], ids=["chunks", "under a chunk"])
+def test_validation_with_a_grain_sums_each_row_once(monkeypatch, n, rows):
     hidden, weight, targets = inputs()
+    hidden, targets = hidden[:n], targets[:n]
     want = loss_lib.projected_smoothed_and_nll(hidden, weight, targets, EPS)
     monkeypatch.setattr(loss_lib, "row_grain", lambda device: GRAIN)
     with Ops() as ops:
         got = loss_lib.projected_smoothed_and_nll(hidden, weight, targets, EPS)
-    assert {ins[0][1][0] for name, ins, _ in ops.ops if name == "mm"} == {CHUNK, GRAIN}
+    assert {ins[0][1][0] for name, ins, _ in ops.ops if name == "mm"} == rows
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-6, atol=0.0)
