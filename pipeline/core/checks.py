@@ -6,8 +6,8 @@
 The rules are checked by `python -m pipeline.core.config` (config.load_all) and by every stage that loads one of
 the sections they read (config.load: batch, which reads train.tokens_per_step, and every stage after it but
 evaluate), on the sections its params file holds: a contradiction that a late stage would refuse is refused before
-any training: train.keep_checkpoints below average.last_n, compile_scope step with R-Drop, translate.engine
-ctranslate2 without an export, or with the project engine's translate.precision. Imports no other module of pipeline.core but errors (pipeline/core/config.py imports this one).
+any training: compile_scope step with R-Drop, translate.engine ctranslate2 without an export, or with the project
+engine's translate.precision; train.keep_checkpoints below average.last_n (the params check only). Imports no other module of pipeline.core but errors (pipeline/core/config.py imports this one).
 """
 
 from __future__ import annotations
@@ -58,12 +58,14 @@ def translate_engine(translate) -> None:
                           "translate.precision=auto (or translate.engine=project)")
 
 
-def contradictions(sections: dict, path: str | Path) -> None:
-    """Refuse params that contradict each other (`sections`: {name: its dataclass}, those present)."""
+def contradictions(sections: dict, path: str | Path, stage: bool = False) -> None:
+    """Refuse params that contradict each other (`sections`: {name: its dataclass}, those present); `stage`: a stage
+    loading its params, which leaves train.keep_checkpoints against average.last_n to the average stage (it counts
+    the checkpoints there are, and its run records the failure)."""
     train, average, export, translate = (sections.get(name) for name in RULED)
     try:
-        # Checked here, not by a stage: the train stage reading average.last_n would re-run training when it changes.
-        if train and average and train.keep_checkpoints < average.last_n:
+        # Checked here, not by the train stage: reading average.last_n would re-run training when it changes.
+        if train and average and not stage and train.keep_checkpoints < average.last_n:
             raise ParamsError(f"train.keep_checkpoints = {train.keep_checkpoints}: expected at least average.last_n "
                               f"= {average.last_n}, or there are not enough checkpoints to average")
         if train and train.compile_scope == "step" and (train.compile or train.cuda_graphs) and train.rdrop_alpha > 0:

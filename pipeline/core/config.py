@@ -334,7 +334,7 @@ def load(path: str | Path, section: str, cls: type[T]) -> T:
     try:
         loaded = parse(raw, section, cls)
         if section in RULED:  # the rules between the sections the file holds: from batch (train) on, each stage
-            contradictions({name: parse(raw, name, SECTIONS[name]) for name in RULED if name in raw}, "")
+            contradictions({name: parse(raw, name, SECTIONS[name]) for name in RULED if name in raw}, "", stage=True)
         return loaded
     except ParamsError as e:
         raise ParamsError(f"{path}: {str(e).removeprefix(': ')}") from None
@@ -347,6 +347,7 @@ def load_all(path: str | Path) -> dict[str, Any]:
     if unknown:
         raise ParamsError(f"{path}: unknown section(s) {unknown}; expected {list(SECTIONS)}")
     sections = {name: load(path, name, cls) for name, cls in SECTIONS.items()}
+    contradictions(sections, path)  # and the rules a stage leaves to others (pipeline/core/checks.py)
     return sections
 
 

@@ -150,8 +150,8 @@ def test_a_failed_write_leaves_the_previous_model_intact(tmp_path, monkeypatch):
     before = (tmp_path / "model" / "model.pt").read_bytes()
     save_checkpoint(tmp_path / "ckpt", payload(2, random_state(1)), keep=10)
 
-    def half_save(obj, f):
-        Path(f).write_bytes(b"partial")
+    def half_save(obj, f):  # f: the sealed write's file object
+        f.write(b"partial")
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(torch, "save", half_save)

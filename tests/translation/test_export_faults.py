@@ -180,17 +180,17 @@ def test_a_killed_export_leaves_nothing_the_next_run_does_not_remove_or_restore(
 @pytest.mark.parametrize("params, expected", [
     ({"translate": {**GREEDY, "engine": "ctranslate2"}, "export": {**EXPORT, "enabled": False}},
      "translate.engine = ctranslate2 decodes the export, and export.enabled = false writes none"),
-    ({"translate": {**GREEDY, "engine": "ctranslate2", "precision": "bf16"}},
+    ({"translate": {**GREEDY, "engine": "ctranslate2", "precision": "bf16"}, "export": EXPORT},
      "translate.precision = 'bf16' sets the project engine's weights"),
 ])
-def test_contradicting_params_are_refused_before_any_stage_runs(made, tmp_path, params, expected, capsys,
-                                                                 monkeypatch):
+def test_contradicting_params_are_refused_before_any_stage_runs(tmp_path, params, expected, capsys, monkeypatch):
     path = tmp_path / "params.yaml"
     path.write_text(yaml.safe_dump(params))
     with pytest.raises(ParamsError, match=expected):
         config.load(path, "translate", config.TranslateConfig)
-    root, model, tokenized, _ = made  # the export stage (the first to run here) refuses them in its first line
-    code, line = run_command(export_stage.main, stage_args(tmp_path, model, tokenized, path), capsys, monkeypatch)
+    # the export stage refuses them when it loads its params, before it reads any input (none exists here)
+    code, line = run_command(export_stage.main, stage_args(tmp_path, tmp_path / "model", tmp_path / "tokenized", path),
+                             capsys, monkeypatch)
     assert code == 2 and line.startswith(f"export: error: {path}: ") and expected in line, line
     assert not (tmp_path / "export").exists()
 
