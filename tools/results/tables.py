@@ -183,7 +183,9 @@ def levers(lines: list[dict]) -> str:
         change = (" / ".join(_signed(c) for c in changes) + (f" (mean {_signed(statistics.mean(changes))})"
                                                                if len(changes) > 1 else "")) if changes else "-"
         ratio = " / ".join(f"{x:.2f}x" for x in ratios) or "-"
-        rows.append([lever, f"{tried[0]['baseline']}; {where}", seeds, change, ratio,
+        cut = [r for r in tried if r["stopped_by"] == "max_minutes"]
+        name = lever + "".join(f" (seed {r['seed']} ended by the safety stop at step {r['steps']})" for r in cut)
+        rows.append([name, f"{tried[0]['baseline']}; {where}", seeds, change, ratio,
                      ", ".join(sorted({r["commit"][:7] for r in tried})), f"`{_any_seed(tried[0])}`"])
     return _table(["lever", "against; machine", "seeds", "valid BLEU change", "training time ratio, one sitting",
                    "commit", "command"], rows)
