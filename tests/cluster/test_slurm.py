@@ -177,3 +177,15 @@ def test_a_node_that_does_not_see_the_data_stages_outputs_is_named(tmp_path, mon
                                                r"node \S+ does \(0 file\(s\) against \d+\): run the data stages on a "
                                                r"filesystem every node mounts"):
         slurm.check_nodes([here, elsewhere], here, "127.0.0.1", ["tokenized", "batches"])
+
+
+def test_fewer_gpus_than_train_devices_are_refused_in_one_line(monkeypatch):
+    """The GPUs SLURM grants a node (SLURM_GPUS_ON_NODE) must be train.devices, as its tasks must."""
+    monkeypatch.setenv("SLURM_JOB_ID", "12")
+    monkeypatch.setenv("SLURM_TASKS_PER_NODE", "8(x2)")
+    monkeypatch.setenv("SLURM_GPUS_ON_NODE", "4")
+    with pytest.raises(slurm.SlurmError) as refused:
+        slurm.allocation(8)
+    assert str(refused.value) == ("train.devices=8 but SLURM granted 4 GPU(s) on this node (SLURM_GPUS_ON_NODE): "
+                                  "submit with --gpus-per-node=8, or set train.devices=4")
+    assert slurm.per_node("2(x3),1") == [2, 2, 2, 1]
