@@ -155,8 +155,10 @@ def launch(devices: int, module: str, args: list[str], data: list[str]) -> NoRet
     here = node_view(master, nodes, data)
     check_nodes(ask_nodes(nodes, master, data), here, master, data)
     env = {**os.environ, "MASTER_ADDR": master, "MASTER_PORT": port}
+    # No --kill-on-bad-exit: the tasks a signal stopped exit one by one (each with the signal's status, the one the
+    # launcher reads), and a task that fails ends the others through the process group (stages/train.py, lost peers)
     cmd = ["srun", f"--nodes={nodes}", f"--ntasks={nodes * devices}", f"--ntasks-per-node={devices}",
-           "--kill-on-bad-exit=1", sys.executable, "-m", module, *args]
+           sys.executable, "-m", module, *args]
     print(f"{module.rsplit('.', 1)[-1]}: SLURM job {os.environ['SLURM_JOB_ID']}: {nodes} node(s) x {devices} task(s), "
           f"rank 0 on {hosts[0]} ({master}:{port})", file=sys.stderr, flush=True)
     with signals.held():  # a SIGTERM to this launcher waits for the tasks (they checkpoint), then ends it

@@ -27,7 +27,7 @@ from tests.fixtures.train import write_corpus as write_tokenized
 from tests.fixtures.train import write_params as write_train_params
 from tests.multinode_smoke import TOLERANCE, final_weights, max_difference
 
-STEPS, EVERY = 60, 20  # requeued once the checkpoint of step EVERY is written: in the middle of training
+STEPS, EVERY = 60, 20  # stopped once the checkpoint of step EVERY is written: in the middle of training
 
 
 @pytest.fixture(scope="module")
@@ -56,58 +56,67 @@ def wait_for(path: Path, cluster: SlurmCluster, job: str, log: Path, timeout: fl
         time.sleep(0.05)
 
 
+def restart_now(cluster: SlurmCluster, job: str) -> None:
+    """Once the job is requeued (PENDING): start it at once (SLURM holds a requeued job two minutes)."""
+    cluster.wait(job, {"PENDING"})
+    cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now")
+
+
 def test_the_batch_file_runs_the_pipeline_and_a_requeue_resumes_at_the_step_it_stopped(cluster, tmp_path):
+    """--signal's SIGUSR1 mid-training: the tasks checkpoint, the train stage requeues the job (`scontrol requeue`,
+    whose SIGTERM the batch step waits out), the job runs again and resumes. SIGTERM alone (a requeue by hand, a
+    preemption) stops the tasks the same way: tests/training/test_preemption.py."""
     repo = make_repo(tmp_path / "repo")
     (repo / "cluster").mkdir()
     shutil.copytree(BATCH.parent, repo / "cluster" / "slurm")
-    www, log = tmp_path / "www", repo / "job.out"
+    www, log, checkpoints = tmp_path / "www", repo / "job.out", repo / "data" / "checkpoints"
     www.mkdir()
     with FileServer(www) as server:
         # 2 nodes x 1 task: each trains one of the step's 2 batches; the reference below accumulates both
         params = tiny_params(write_corpus(www, server, {"train": 1000, "valid": 40, "test": 40}), devices=1,
-                             tokens_per_step=1200, max_steps=STEPS, checkpoint_every=EVERY, eval_every=60,
+                             tokens_per_step=1200, max_steps=STEPS, checkpoint_every=EVERY, eval_every=30,
                              log_every=EVERY, keep_checkpoints=3)
         params["average"]["last_n"] = 2
         write_params(repo, params)
         git_commit(repo, "the tiny preset")
-        env = job_env(tmp_path)
-        job = cluster.sbatch(repo, "--nodes=2", "--ntasks-per-node=1", f"--output={log}", "cluster/slurm/pipeline.sbatch",
-                             env=env)
-        wait_for(repo / "data" / "checkpoints" / f"step_{EVERY:08d}.pt", cluster, job, log)
-        assert cluster.run("scontrol", "requeue", job).returncode == 0
+        job = cluster.sbatch(repo, "--nodes=2", "--ntasks-per-node=1", f"--output={log}",
+                             "cluster/slurm/pipeline.sbatch", env=job_env(tmp_path))
+        wait_for(checkpoints / f"step_{EVERY:08d}.pt", cluster, job, log)
+        assert cluster.run("scancel", "--signal=USR1", job).returncode == 0  # as --signal=USR1@300 does: the steps
+        restart_now(cluster, job)
         one = tmp_path / "one_process"  # meanwhile, the same params and data in one process, accumulation 2
-        single = subprocess.Popen([sys.executable, "-m", "stages.train", "--tokenized", str(repo / "data" / "tokenized"),
-                                   "--batches", str(repo / "data" / "batches"), "--checkpoints", str(one / "checkpoints"),
-                                   "--metrics", str(one / "train.json"), "--plot", str(one / "train.csv"),
-                                   "--params", str(repo / "params.yaml")], cwd=ROOT, stderr=(tmp_path / "one.log").open("w"),
+        data = repo / "data"
+        cmd = [sys.executable, "-m", "stages.train", "--tokenized", str(data / "tokenized"), "--batches",
+               str(data / "batches"), "--checkpoints", str(one / "checkpoints"), "--metrics", str(one / "train.json"),
+               "--plot", str(one / "train.csv"), "--params", str(repo / "params.yaml")]
+        single = subprocess.Popen(cmd, cwd=ROOT, stderr=(tmp_path / "one.log").open("w"),
                                   env=job_env(tmp_path, MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'one.db'}"))
-        cluster.wait(job, {"PENDING"})
-        cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now")  # SLURM holds a requeued job 2 minutes
         fields = cluster.wait(job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"})
     text = log.read_text()
     assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "1", text[-4000:]
-    stopped = re.search(r"train: stopped by SIGTERM at step (\d+), checkpointed in (\S+);", text)
-    assert stopped, text[-4000:]
-    step = int(stopped[1])
-    assert EVERY <= step < STEPS and f"resuming from step {step} (" in text and "Traceback" not in text
-    assert "preempted" in stopped[2]
-    checkpoints = repo / "data" / "checkpoints"
+    stops = re.findall(r"train: stopped by (SIGUSR1|SIGTERM) at step (\d+), checkpointed in (\S+);", text)
+    assert [name for name, _, _ in stops] == ["SIGUSR1"], text[-4000:]
+    steps = [int(step) for _, step, _ in stops]
+    assert EVERY <= steps[0] < STEPS and "Traceback" not in text
+    assert f"requeued SLURM job {job}, which resumes from it" in text
+    for step, (_, _, path) in zip(steps, stops):
+        assert f"resuming from step {step} ({path})" in text
     assert not (checkpoints / "preempted").exists()  # the regular checkpoints alone, as an uninterrupted run keeps
     assert [s for s, _ in step_files(checkpoints)] == [STEPS - 2 * EVERY, STEPS - EVERY, STEPS]
     assert "Data and pipelines are up to date" in dvc(repo, "status")
     assert (repo / "metrics" / "eval.json").exists()
-
     assert single.wait(timeout=300) == 0, (tmp_path / "one.log").read_text()[-3000:]
     assert max_difference(final_weights(repo / "data"), final_weights(one)) <= TOLERANCE
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
     assert not [r for r in runs if r.info.status == "RUNNING"]
-    train_runs = sorted((r for r in runs if r.data.tags.get("stage") == "train"),
-                        key=lambda r: r.data.tags["slurm_restart_count"])
-    assert [(r.info.status, r.data.tags["slurm_restart_count"], r.data.tags["slurm_job_id"]) for r in train_runs] == [
+    segments = sorted((r for r in runs if r.data.tags.get("stage") == "train"),
+                      key=lambda r: r.data.tags["slurm_restart_count"])
+    assert [(r.info.status, r.data.tags["slurm_restart_count"], r.data.tags["slurm_job_id"]) for r in segments] == [
         ("KILLED", "0", job), ("FINISHED", "1", job)]
-    assert train_runs[0].data.tags["preempted_at_step"] == str(step) == train_runs[1].data.tags["resumed_from_step"]
+    assert [r.data.tags.get("preempted_at_step") for r in segments] == [str(steps[0]), None]
+    assert [r.data.tags.get("resumed_from_step") for r in segments] == [None, str(steps[0])]
 
 
 def salloc_train(cluster: SlurmCluster, root: Path, tmp_path: Path, tasks: int = 1, **env: str
@@ -167,3 +176,15 @@ def test_a_node_that_does_not_see_the_data_stages_outputs_is_named(tmp_path, mon
                                                r"node \S+ does \(0 file\(s\) against \d+\): run the data stages on a "
                                                r"filesystem every node mounts"):
         slurm.check_nodes([here, elsewhere], here, "127.0.0.1", ["tokenized", "batches"])
+
+
+def test_fewer_gpus_than_train_devices_are_refused_in_one_line(monkeypatch):
+    """The GPUs SLURM grants a node (SLURM_GPUS_ON_NODE) must be train.devices, as its tasks must."""
+    monkeypatch.setenv("SLURM_JOB_ID", "12")
+    monkeypatch.setenv("SLURM_TASKS_PER_NODE", "8(x2)")
+    monkeypatch.setenv("SLURM_GPUS_ON_NODE", "4")
+    with pytest.raises(slurm.SlurmError) as refused:
+        slurm.allocation(8)
+    assert str(refused.value) == ("train.devices=8 but SLURM granted 4 GPU(s) on this node (SLURM_GPUS_ON_NODE): "
+                                  "submit with --gpus-per-node=8, or set train.devices=4")
+    assert slurm.per_node("2(x3),1") == [2, 2, 2, 1]

@@ -90,7 +90,7 @@ PAPER_STEP_SECONDS = {"wmt14_en_de_base": 12 * 3600 / 100_000, "wmt14_en_de_big"
 def saved_steps(train: TrainConfig, seconds_per_step: float) -> list[int]:
     """The steps the Trainer checkpoints at (its own decide()), on a machine taking `seconds_per_step` a step."""
     fake = types.SimpleNamespace(progress=Progress(), cfg=train, ctx=Dist(0, 1, 0, torch.device("cpu")),
-                                 stopped_by_time=False)
+                                 stopped_by_time=False, preemption=None)
     saved = []
     for step in range(1, train.max_steps + 1):
         fake.progress.step, fake.progress.elapsed_seconds = step, step * seconds_per_step

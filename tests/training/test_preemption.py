@@ -1,5 +1,5 @@
-"""A scheduler's signal during training (SLURM's SIGUSR1 before the time limit, SIGTERM to requeue or preempt):
-the step in flight ends, is checkpointed aside, the run stops; the restart resumes there and ends as an uninterrupted run.
+"""A scheduler's signal during training (SLURM's SIGUSR1 before the time limit, SIGTERM to requeue or preempt): the
+step in flight ends, is checkpointed aside, the run stops; the restart resumes there and ends as an uninterrupted run.
 
 The train stage runs in this process as one srun task would (SLURM's task variables, pipeline/device/slurm.py);
 tests/cluster/test_slurm.py does it through a real sbatch and requeue.
