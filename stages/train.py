@@ -34,11 +34,9 @@ import logging
 import sys
 from pathlib import Path
 
-import torch
-
 from model.config import ModelConfig
 from pipeline.core import cli, config, tracking
-from pipeline.device import compiled, distributed
+from pipeline.device import checks, compiled, distributed
 from pipeline.core.config import BatchConfig, TrainConfig
 from pipeline.core.files import write_json
 from pipeline.training.loader import TrainingData
@@ -58,16 +56,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = config.load(args.params, "train", TrainConfig)
     batch = config.load(args.params, "batch", BatchConfig)
     max_tokens = batch.max_tokens
-    if cfg.cuda_graphs and not torch.cuda.is_available():
-        raise config.ParamsError("train.cuda_graphs = true: CUDA graphs need a CUDA GPU and this machine has none "
-                                 "(torch.cuda.is_available() is False); set train.cuda_graphs=false")
-    if cfg.grad_compression == "bf16" and not torch.cuda.is_available():  # whatever the world (nodes of one process too)
-        raise config.ParamsError("train.grad_compression = bf16: torch's bf16 all-reduce hook needs NCCL (CUDA GPUs) "
-                                 "and this machine has none; set train.grad_compression=fp16 or none")
-    if cfg.compile_scope == "step" and (cfg.compile or cfg.cuda_graphs) and cfg.rdrop_alpha > 0:
-        raise config.ParamsError(f"train.compile_scope = step compiles the plain loss, and train.rdrop_alpha = "
-                                 f"{cfg.rdrop_alpha:g} asks for R-Drop: set train.compile_scope=layers (or "
-                                 "train.rdrop_alpha=0)")
+    checks.train(cfg)
     if cfg.compile or cfg.cuda_graphs:  # the compiled graphs kept beside the checkpoints: a resume loads them
         compiled.keep_cache(Path(args.checkpoints).parent / COMPILE_CACHE)
     if cfg.devices > 1 and not distributed.launched_by_torchrun():
@@ -86,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
             distributed.check_same(phash, "params_hash (model, train, batch.max_tokens, the data and the precision)",
                                    ctx)
             trainer = Trainer(data, model_cfg, cfg, max_tokens, ctx, run, phash, args.checkpoints, args.plot,
-                              precision)
+                              precision=precision)
             try:
                 metrics = trainer.fit()
             except KeyboardInterrupt:  # Ctrl-C: one line, from rank 0, instead of each process's traceback

@@ -22,6 +22,7 @@ from bench.harness.gpu import WARMUP_STEPS, Setup, digest, fresh, training_data
 from pipeline.core.tracking import StageRun
 from pipeline.corpus import steps as division
 from pipeline.device import distributed, graphs
+from pipeline.device.precision import resolve
 from pipeline.training.loader import TrainingData
 from pipeline.training.trainer import Trainer
 
@@ -72,7 +73,8 @@ def trainer(s: Setup, data: TrainingData, ctx: distributed.Dist, mode: str, chec
     """The train stage's Trainer for this preset in `mode` (MODES), writing checkpoints to `checkpoints`."""
     cfg = replace(s.train_cfg, compile=mode != "eager", cuda_graphs=records_graphs(mode),
                   compile_scope="step" if mode.startswith("step") else "layers")
-    return Trainer(data, s.model_cfg, cfg, s.max_tokens, ctx, StageRun(), phash="gpu-check", checkpoints=checkpoints)
+    return Trainer(data, s.model_cfg, cfg, s.max_tokens, ctx, StageRun(), phash="gpu-check", checkpoints=checkpoints,
+                   precision=resolve(cfg.cpu_matmul, ctx.device))
 
 
 def as_rank_share(t: Trainer, ranks: int) -> None:

@@ -95,7 +95,7 @@ def step_tokens_metrics(p: Progress) -> dict[str, float]:
 
 def train_metrics(p: Progress, *, stopped_by_time: bool, train_batches: int, cuda_graphs: tuple[int | None, int | None],
                   peak: Peak, world: int, accum: int, code_hash: str, phash: str,
-                  precision: Precision | None = None) -> dict:
+                  precision: Precision) -> dict:
     """metrics/train.json: flat, the DVC record of the run. tokens_per_second and mfu are over the steps' time
     less their compiling (step_seconds - compile_seconds: Progress.train_seconds), so a compiled run's rate
     is its steady one; step_seconds is every step's time, compiling included.
@@ -127,8 +127,8 @@ def train_metrics(p: Progress, *, stopped_by_time: bool, train_batches: int, cud
         "tokens_per_second": p.train_tokens / p.train_seconds if p.train_seconds else 0.0,
         "device": peak.device,
         # how the steps computed (precision.py): the label names the kernels, the key is hashed into params_hash
-        "precision": precision.label if precision else "fp32",
-        "precision_key": precision.key if precision else "fp32",
+        "precision": precision.label,
+        "precision_key": precision.key,
         "devices": world,
         "grad_accum": accum,
         "code_hash": code_hash,
