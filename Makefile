@@ -24,11 +24,10 @@ run: install
 	dvc repro
 
 # Two workers (pytest-xdist) share the cores: half the suite waits on processes, servers and files, not the CPU.
-# Tests are handed out one at a time (--dist loadgroup); a file whose tests share a costly module fixture (a
-# pipeline run, a trained model) is marked xdist_group and stays on one worker, so that fixture runs once.
+# A test file stays on one worker (--dist loadfile), so a module's pipeline fixture runs once.
 TEST_WORKERS ?= 2
 test: install
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 bench: install
 	$(BIN)/python -m bench.cpu.train_throughput

@@ -46,9 +46,6 @@ from tests.fixtures.translation import MODEL_CONFIG, save_model, sentence_pairs,
 from tests.fixtures.translation import one_thread, shared_store, store  # noqa: F401 (fixtures)
 from tests.fixtures.translation import write_params as write_translate_params
 
-# one worker builds `long_lines` once (make test: --dist loadgroup)
-pytestmark = pytest.mark.xdist_group("test_bad_input")
-
 
 @pytest.fixture(autouse=True)
 def _fast_retries(monkeypatch):

@@ -28,9 +28,6 @@ from tests.fixtures.files_server import FileServer
 from tests.fixtures.pipeline_repo import ROOT, VENV_BIN, dvc_run, git_commit, make_repo, tiny_params, write_corpus, \
     write_params
 
-# one worker builds the `story` once (make test: --dist loadgroup)
-pytestmark = pytest.mark.xdist_group("test_run_records")
-
 STAGES = ["download", "tokenize", "batch", "train", "average", "export", "translate", "evaluate"]
 
 

@@ -23,9 +23,6 @@ from tests.fixtures.train import write_split
 from tests.fixtures.translation import MODEL_CONFIG, TEST_EN, VALID_EN, save_model, tokenized_corpus, write_lines
 from tools.inspect import main
 
-# one worker builds `corpus` once (make test: --dist loadgroup)
-pytestmark = pytest.mark.xdist_group("test_inspect")
-
 PNG = b"\x89PNG\r\n\x1a\n"
 DOUBLE_SPACE = "A man  rides a bike."  # sentencepiece collapses the two spaces: this line does not decode back
 BAD_LINE, LONG_LINE = 3, 5  # test lines (1-based) whose hypotheses are wrong / run on for ever

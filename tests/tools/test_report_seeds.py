@@ -11,9 +11,6 @@ from mlflow.tracking import MlflowClient
 from tests.fixtures.report import log_pipeline_run, no_global_tracking_uri  # noqa: F401 (autouse fixture)
 from tools import groups, report
 
-# one worker builds `reported` once (make test: --dist loadgroup)
-pytestmark = pytest.mark.xdist_group("test_report_seeds")
-
 SEEDS = {1: (34.0, 36.0, 5.0, 1000), 2: (35.0, 37.0, 5.5, 1100), 3: (36.5, 38.5, 6.5, 1300)}  # bleu, tokenized, ppl, tokens
 
 

@@ -50,9 +50,6 @@ from tests.fixtures.train import write_corpus as write_train_corpus
 from tests.fixtures.train import write_params as write_train_params
 from tests.fixtures.translation import shared_store, store  # noqa: F401 (fixtures)
 
-# one worker builds the `pipeline` story once (make test: --dist loadgroup)
-pytestmark = pytest.mark.xdist_group("test_faults")
-
 DEV_FULL = Path("/dev/full")
 
 

@@ -27,9 +27,6 @@ from tests.fixtures.export import trained_model
 from tests.fixtures.translation import TEST_EN, TRANSLATE, make_corpus, sentence_pairs
 from tests.fixtures.translation import one_thread, shared_store, store  # noqa: F401 (fixtures)
 
-# one worker builds `trained` once (make test: --dist loadgroup)
-pytestmark = pytest.mark.xdist_group("test_export")
-
 ROOT = Path(__file__).resolve().parents[2]
 GREEDY = TranslateConfig(**{**TRANSLATE, "beam_size": 1, "length_penalty": 0.0})
 EXPORT = {"enabled": True, "quantization": "none", "check_lines": 0}

@@ -24,9 +24,6 @@ from pipeline.corpus.formats import load_spm, load_split
 from tests.fixtures.translation import TEST_EN, TRANSLATE, VALID_EN, make_corpus, save_model, write_params
 from tests.fixtures.translation import one_thread, shared_store, store  # noqa: F401 (fixtures)
 
-# one worker builds `setup` once (make test: --dist loadgroup)
-pytestmark = pytest.mark.xdist_group("test_translate")
-
 ROOT = Path(__file__).resolve().parents[2]
 CFG = TranslateConfig(**TRANSLATE)
 
