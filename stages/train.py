@@ -39,11 +39,9 @@ import logging
 import sys
 from pathlib import Path
 
-import torch
-
 from model.config import ModelConfig
 from pipeline.core import cli, config, signals, tracking
-from pipeline.device import compiled, distributed, slurm
+from pipeline.device import checks, compiled, distributed, slurm
 from pipeline.core.config import BatchConfig, TrainConfig
 from pipeline.core.files import write_json
 from pipeline.training.loader import TrainingData
@@ -63,12 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = config.load(args.params, "train", TrainConfig)
     batch = config.load(args.params, "batch", BatchConfig)
     max_tokens = batch.max_tokens
-    if cfg.cuda_graphs and not torch.cuda.is_available():
-        raise config.ParamsError("train.cuda_graphs = true: CUDA graphs need a CUDA GPU and this machine has none "
-                                 "(torch.cuda.is_available() is False); set train.cuda_graphs=false")
-    if cfg.grad_compression == "bf16" and not torch.cuda.is_available():  # whatever the world (nodes of one process too)
-        raise config.ParamsError("train.grad_compression = bf16: torch's bf16 all-reduce hook needs NCCL (CUDA GPUs) "
-                                 "and this machine has none; set train.grad_compression=fp16 or none")
+    checks.train(cfg)
     if cfg.compile or cfg.cuda_graphs:  # the compiled graphs kept beside the checkpoints: a resume loads them
         compiled.keep_cache(Path(args.checkpoints).parent / COMPILE_CACHE)
     if slurm.requested() and not slurm.in_task():  # TRANSFORMER_SLURM=1 in a batch job: srun tasks on every node
@@ -93,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
             distributed.check_same(phash, "params_hash (model, train, batch.max_tokens, the data and the precision)",
                                    ctx)
             trainer = Trainer(data, model_cfg, cfg, max_tokens, ctx, run, phash, args.checkpoints, args.plot,
-                              precision)
+                              precision=precision)
             try:
                 with preemptible(trainer, run):
                     metrics = trainer.fit()

@@ -29,7 +29,7 @@ from pipeline.core.config import TranslateConfig
 from pipeline.weights.checkpoint import load_model
 from pipeline.corpus.formats import BOS_ID, EOS_ID, Ragged, load_spm, load_split, read_meta
 from pipeline.core.files import atomic_dir, write_bytes
-from stages.translate import translate_ids
+from pipeline.translation.decoding import translate_ids
 
 log = logging.getLogger(__name__)
 

@@ -47,7 +47,7 @@ from model.transformer import Transformer
 from pipeline.core import config
 from pipeline.core.errors import PipelineError
 from pipeline.corpus.batching import make_batches
-from pipeline.device import attention, cpu_matmul, distributed
+from pipeline.device import attention, cpu, cpu_matmul, distributed
 from pipeline.training.loader import Batch, TrainingData, collate
 from pipeline.device.precision import of_choice
 
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     if other != "fp32":
         ways |= {other: (other, False), f"{other}, flash": (other, True)}
     print(f"{args.threads} threads; against torch's BLAS: {of_choice(other).label if other != 'fp32' else 'none'}"
-          f" (AMX: {'yes' if cpu_matmul.has_amx() else 'no'}, AVX-512: {'yes' if cpu_matmul.has_avx512() else 'no'});"
+          f" (AMX: {'yes' if cpu.has_amx() else 'no'}, AVX-512: {'yes' if cpu.has_avx512() else 'no'});"
           f" train.cpu_matmul of the default: {train_cfg.cpu_matmul}")
     stored = (args.tokenized, args.batches) if args.batches else None
     try:

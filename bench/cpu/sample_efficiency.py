@@ -29,21 +29,23 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-import yaml
 from torch import nn
 
 from model.config import ModelConfig
 from model.transformer import FeedForward, MultiHeadAttention, Transformer
 from pipeline.core import config
 from pipeline.device import distributed
+from pipeline.device.precision import resolve
 from pipeline.core.config import BatchConfig, TokenizeConfig, TrainConfig, TranslateConfig
+from pipeline.corpus import steps
+from pipeline.corpus.batching import write_batches
 from pipeline.corpus.formats import load_spm, load_split, read_meta
 from pipeline.training.loader import TrainingData
 from pipeline.core.tracking import StageRun
 from pipeline.training.trainer import Trainer
-from stages import batch
 from pipeline.translation.scoring import multi30k_bleu, read_lines, score
-from stages.translate import detokenize, translate_ids
+from pipeline.corpus.subwords import detokenize
+from pipeline.translation.decoding import translate_ids
 
 
 def xavier(model: Transformer) -> None:
@@ -80,12 +82,13 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"{args.tokenized}: vocabulary {meta['vocab_size']} differs from the overrides'; "
                          "re-run `dvc repro tokenize` with them")
     with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "params.yaml").write_text(yaml.safe_dump(params))
-        batch.main(["--tokenized", str(args.tokenized), "--out", f"{tmp}/batches", "--metrics", f"{tmp}/batch.json",
-                    "--params", f"{tmp}/params.yaml"])
+        batch_cfg = config.parse(params, "batch", BatchConfig)
+        write_batches(args.tokenized, Path(tmp) / "batches", Path(tmp) / "batch.json", batch_cfg,
+                      steps.batches_per_step(cfg.tokens_per_step, max_tokens), cfg.seed)  # as the batch stage does
         data = TrainingData.load(args.tokenized, Path(tmp) / "batches")
         ctx = distributed.Dist(0, 1, 0, torch.device("cpu"))
-        trainer = Trainer(data, model_cfg, cfg, max_tokens, ctx, StageRun(), phash="")
+        trainer = Trainer(data, model_cfg, cfg, max_tokens, ctx, StageRun(), phash="",
+                          precision=resolve(cfg.cpu_matmul, ctx.device))
         if args.init == "xavier":
             xavier(trainer.model)
         print(f"{' '.join(args.overrides) or 'default preset'}, init {args.init}: {len(data.train_batches)} batches of "

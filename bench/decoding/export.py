@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
-import platform
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -32,24 +31,16 @@ from pathlib import Path
 import torch
 from sacrebleu.metrics import BLEU
 
+from bench.harness import alternate
 from pipeline.core.config import TranslateConfig, compose, parse
+from pipeline.device import cpu
 from pipeline.corpus.formats import load_spm, load_split, read_meta
+from pipeline.corpus.subwords import detokenize
 from pipeline.translation.decoding import translate_ids
 from pipeline.export.engine import Ctranslate2Engine
 from pipeline.export.spec import write_ctranslate2
 from pipeline.translation.scoring import read_lines
 from pipeline.weights.checkpoint import load_model
-
-
-def cpu_name() -> str:
-    """The CPU's model name (/proc/cpuinfo), or what platform knows."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 _ENGINES: dict[str, Ctranslate2Engine] = {}  # in the CTranslate2 process: name -> engine
@@ -106,17 +97,21 @@ def main(argv: list[str] | None = None) -> None:
             translate_ids(model, warm, cfg, progress=False)
             for name in directories:
                 ct2.submit(_ct2_decode, name, warm, cfg, None).result()
-            best, outputs = {}, {}
-            for _ in range(args.rounds):
-                start = time.perf_counter()
+            outputs = {}
+
+            def project(_: int) -> None:
                 outputs["project"] = translate_ids(model, sources, cfg, progress=False)
-                best["project"] = min(best.get("project", float("inf")), time.perf_counter() - start)
-                for name, (engine, beta) in runs.items():
+
+            def engine_run(name: str, engine: str, beta: float | None):
+                def run(_: int) -> float:  # timed in the CTranslate2 process
                     outputs[name], seconds = ct2.submit(_ct2_decode, engine, sources, cfg, beta).result()
-                    best[name] = min(best.get(name, float("inf")), seconds)
+                    return seconds
+                return run
+
+            ways = {"project": project} | {name: engine_run(name, *run) for name, run in runs.items()}
+            best = {name: min(seconds) for name, seconds in alternate(ways, args.rounds).items()}
         sp = load_spm(args.tokenized, model.embedding.num_embeddings)
-        detok = lambda outs: [line.replace("\n", " ") for line in sp.decode(outs)]  # noqa: E731 (as translate's)
-    print(f"{cpu_name()}, {args.threads} threads; {args.split}: {n} sentences, beam {cfg.beam_size}, "
+    print(f"{cpu.name()}, {args.threads} threads; {args.split}: {n} sentences, beam {cfg.beam_size}, "
           f"alpha {cfg.length_penalty:g} (CTranslate2: mapped beta unless named), "
           f"max length {cfg.max_len_a:g} x source + {cfg.max_len_b}; best of {args.rounds} round(s)")
     print(f"{'decoder':<28} {'sentences/s':>12} {'ratio':>7} {'BLEU':>7} {'identical':>10} {'model MB':>9}")
@@ -124,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
         identical = sum(a == b for a, b in zip(out, outputs["project"])) / max(n, 1)
         size = sizes.get(name.split(",")[0])
         print(f"{name:<28} {n / best[name]:12.1f} {best['project'] / best[name]:6.2f}x "
-              f"{bleu.corpus_score(detok(out), [references]).score:7.2f} {identical:10.1%} "
+              f"{bleu.corpus_score(detokenize(sp, out), [references]).score:7.2f} {identical:10.1%} "
               f"{'' if size is None else f'{size / 1e6:9.1f}'}")
 
 

@@ -25,10 +25,11 @@ from pipeline.core.config import TranslateConfig, compose, parse
 from pipeline.corpus.formats import load_spm, load_split, read_meta
 from pipeline.translation.scoring import multi30k_bleu, read_lines, score
 from pipeline.weights.checkpoint import load_model
-from pipeline.device import distributed
-from stages.translate import detokenize
+from model.flops import DTYPE_NAMES
+from pipeline.device import precision as training_precision
+from pipeline.corpus.subwords import detokenize
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}  # --dtype
 
 
 def decode(model, sources: list[np.ndarray], cfg: TranslateConfig, sp, refs: list[str], lang: str) -> dict:
@@ -53,9 +54,9 @@ def compare(model_dir: Path, tokenized: Path, raw: Path, dtype: torch.dtype | No
     for name in ("fp32", "decoding"):
         model = load_model(model_dir, device).eval()
         if name == "decoding":
-            chosen = distributed.autocast_dtype(device) if dtype is None else dtype  # the training precision
+            chosen = training_precision.autocast_dtype(device) if dtype is None else dtype  # the training precision
             model.to(chosen)  # cast once, as the stage does with translate.precision
-            name = {v: k for k, v in DTYPES.items()}[chosen]
+            name = DTYPE_NAMES[chosen]
             if name == "fp32":
                 break  # this device decodes in fp32: nothing to compare
         sp = load_spm(tokenized, model.embedding.num_embeddings)

@@ -3,7 +3,7 @@
     python -m bench.decoding.search [--model data/model --tokenized data/tokenized [--raw data/raw]] [--sentences N]
                            [--rounds 2] [--threads N]
 
-Both sides call stages.translate.translate_ids, the translate stage's own
+Both sides call pipeline.translation.decoding.translate_ids, the translate stage's own
 function, with the preset's `translate` params (beam 4, alpha 0.6, max length
 source + 50, max_tokens): once as the stage runs it (key/value cache, batches
 decoded side by side on the torch threads) and once with use_cache=False
@@ -34,22 +34,21 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 from sacrebleu.metrics import BLEU
-from torch import nn
 
 from model.config import ModelConfig
+from bench.harness import alternate
 from bench.harness.decoding import EosNearSourceLength, multi30k_like_sources, timed
 from model.transformer import Transformer
 from pipeline.weights.checkpoint import load_model
 from pipeline.core.config import TranslateConfig, compose, parse
 from pipeline.corpus.formats import load_spm, load_split, read_meta
 from pipeline.translation.scoring import printed, read_lines
-from stages.translate import detokenize, translate_ids
+from pipeline.corpus.subwords import detokenize
 
 log = logging.getLogger("bench.decoding.search")
 
@@ -94,14 +93,17 @@ def main(argv: list[str] | None = None) -> None:
     log.info("%s: %d sentences, beam %d, %d threads", what, n, cfg.beam_size, args.threads)
 
     timed(model, sources[:8], cfg, use_cache=True)  # warm-up: allocator, threads
-    seconds: dict[bool, list[float]] = {True: [], False: []}
     outputs: dict[bool, list[list[int]]] = {}
-    for r in range(args.rounds):
-        for use_cache in (True, False):
+
+    def way(use_cache: bool):
+        def run(_: int) -> float:
             outputs[use_cache], s = timed(model, sources, cfg, use_cache)
-            seconds[use_cache].append(s)
-            log.info("round %d, %s: %.1f sentences/s (load average %.1f)", r + 1,
-                     "cached" if use_cache else "recompute", n / s, os.getloadavg()[0])
+            return s
+        return run
+
+    said = lambda r, name, s: log.info("round %d, %s: %.1f sentences/s (load average %.1f)", r + 1,  # noqa: E731
+                                       "cached" if name else "recompute", n / s, os.getloadavg()[0])
+    seconds = alternate({True: way(True), False: way(False)}, args.rounds, said)
     cached, uncached = min(seconds[True]), min(seconds[False])
     src_len = np.mean([len(s) + 1 for s in sources])
     out_len = np.mean([len(o) + 1 for o in outputs[True]])

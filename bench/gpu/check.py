@@ -19,7 +19,7 @@ so a late recompile shows), then one profiled, untimed: target tokens/s, MFU
              prefetch thread) over its epoch order, each mode on a fresh synthetic corpus
              of its own (its own seed; WMT-like lengths, N(28, 14) tokens, at
              most 250; one epoch covers every step) written as the tokenize stage
-             writes, batched by the batch stage's write_batches with the preset's
+             writes, batched by the batch stage's write_batches (pipeline/corpus/batching.py) with the preset's
              whole BatchConfig, read by TrainingData.load (bench/harness/gpu.py,
              bench/harness/steps.py). Each says "x of the reference" (its tokens/s
              over the reference's); the compiled modes also what dynamo did
@@ -42,7 +42,7 @@ CUDA only), and the host syncs of the timed steps, each caught by
 torch.cuda.set_sync_debug_mode("warn") (CUDA, all but graphs, whose recording
 of each new shape synchronises): the steps run whole, and any sync fails the
 line. Then one
-Trainer.save's seconds, and beam-4 sentences/s of stages.translate.translate_ids
+Trainer.save's seconds, and beam-4 sentences/s of pipeline.translation.decoding.translate_ids
 with the model cast as the translate stage casts it (decoding_precision: fp32
 by default) and in the training precision (bf16 where the GPU has it), with bench.decoding.search's EOS bias (outputs end
 near the source length) (bench/harness/decoding.py). A step that does not fit halves
@@ -65,7 +65,7 @@ import torch
 from bench.harness.decoding import time_decoding
 from bench.harness.reference import fitting_reference
 from bench.harness.gpu import arguments as gpu_arguments
-from bench.harness.gpu import (PRESETS, VALID_PAIRS, WMT_LONGEST, WMT_MEAN, WMT_SD, Setup, gpu_or_tiny,
+from bench.harness.gpu import (PRESETS, VALID_PAIRS, WMT_LONGEST, WMT_MEAN, WMT_SD, Setup, parsed,
                              preset, process_group, stream)
 from bench.harness.steps import MODES, fitting_training, records_graphs
 from bench.harness import allreduce, synthetic_corpus
@@ -270,8 +270,7 @@ def arguments() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> dict | None:
     """Print every line; return what they measured, per preset (tests), or None without CUDA. Exits 1 after the
     last line where a line failed (the math attention kernel in training, a host sync in a timed step)."""
-    args = arguments().parse_args(argv)
-    device = gpu_or_tiny("gpu-check", "check", args.tiny)
+    args, device = parsed(arguments(), argv, "gpu-check", "check")
     if device is None:
         return None
     failures: list[str] = []

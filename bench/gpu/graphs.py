@@ -22,7 +22,7 @@ from pathlib import Path
 from bench.harness.kernels import Dynamo
 from bench.harness import sync
 from bench.harness.gpu import arguments as gpu_arguments
-from bench.harness.gpu import (PRESETS, WARMUP_STEPS, Setup, fresh, gpu_or_tiny, preset, process_group,
+from bench.harness.gpu import (PRESETS, WARMUP_STEPS, Setup, fresh, parsed, preset, process_group,
                                 training_data)
 from bench.harness.steps import MODES, records_graphs, trainer
 from pipeline.device import distributed, graphs
@@ -97,8 +97,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     parser.add_argument("--steps", type=int, default=600, help="timed steps per preset and mode, after the warm-up")
     parser.add_argument("--window", type=int, default=100, help="steps per timed window")
     parser.add_argument("--json", type=Path, help="also write every window's figures to this file")
-    args = parser.parse_args(argv)
-    device = gpu_or_tiny("gpu-graphs", "time", args.tiny)
+    args, device = parsed(parser, argv, "gpu-graphs", "time")
     if device is None:
         return None
     results: dict[str, dict] = {}

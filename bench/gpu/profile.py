@@ -32,7 +32,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from bench.harness import sync
 from bench.harness.gpu import arguments as gpu_arguments
-from bench.harness.gpu import gpu_or_tiny, preset, process_group, training_data
+from bench.harness.gpu import parsed, preset, process_group, training_data
 from bench.harness.steps import timed, trainer
 from pipeline.device import distributed
 
@@ -160,8 +160,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     parser = gpu_arguments(__doc__, "read")
     parser.add_argument("--steps", type=int, default=6, help="profiled steps per preset")
     parser.add_argument("--trace", type=Path, help="keep each preset's Chrome trace in this folder")
-    args = parser.parse_args(argv)
-    device = gpu_or_tiny("gpu-profile", "read", args.tiny)
+    args, device = parsed(parser, argv, "gpu-profile", "read")
     if device is None:
         return None
     results = {}

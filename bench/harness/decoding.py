@@ -13,10 +13,10 @@ from torch import Tensor, nn
 from bench.harness.gpu import Setup
 from model import flops as flops_lib
 from model.transformer import DecoderState, Transformer
-from pipeline.device import distributed
+from pipeline.device import precision as training_precision
 from pipeline.core.config import TranslateConfig
 from pipeline.corpus.formats import EOS_ID
-from stages.translate import decoding_precision, translate_ids
+from pipeline.translation.decoding import decoding_precision, translate_ids
 
 class EosNearSourceLength(nn.Module):
     """A Transformer whose EOS logit is raised by slope x (t - S_i) at output position t (see the docstring).
@@ -82,13 +82,13 @@ def timed(model: nn.Module, sources: Sequence[np.ndarray], cfg: TranslateConfig,
 def decoding_model(s: Setup, stage_precision: bool) -> tuple[nn.Module, torch.dtype]:
     """The preset's Transformer (seeded, untrained) with bench.decoding.search's EOS bias, and its dtype: cast as the translate
     stage casts it (decoding_precision of the preset's translate.precision) where `stage_precision`, else to the
-    device's training precision (distributed.autocast_dtype)."""
+    device's training precision (precision.autocast_dtype)."""
     torch.manual_seed(s.train_cfg.seed)
     model = Transformer(s.model_cfg, s.vocab).to(s.device)
     if stage_precision:
         dtype = decoding_precision(model, s.translate_cfg.precision)
     else:
-        dtype = distributed.autocast_dtype(s.device)
+        dtype = training_precision.autocast_dtype(s.device)
         model.to(dtype)
     return EosNearSourceLength(model, slope=2.0).eval(), dtype
 

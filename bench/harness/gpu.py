@@ -24,7 +24,7 @@ from pipeline.corpus import steps as steps_lib
 from pipeline.corpus.formats import ID_DTYPE, OFFSET_DTYPE, Ragged, split_paths
 from pipeline.device import distributed
 from pipeline.training.loader import TrainingData
-from stages.batch import write_batches
+from pipeline.corpus.batching import write_batches
 
 WMT_MEAN, WMT_SD, WMT_LONGEST = 28, 14, 250  # BPE tokens per WMT14 en-de sentence (approximate), tokenize.max_len
 TINY = ["model=tiny", "tokenize.vocab_size=100", "batch.max_tokens=512", "train.tokens_per_step=1024"]  # --tiny: on a CPU
@@ -78,6 +78,13 @@ def gpu_or_tiny(tool: str, nothing: str, tiny: bool) -> torch.device | None:
         return torch.device("cpu")
     print(f"{tool}: no CUDA GPU on this machine (torch.cuda.is_available() is False); nothing to {nothing}")
     return None
+
+
+def parsed(parser: argparse.ArgumentParser, argv: list[str] | None, tool: str,
+           nothing: str) -> tuple[argparse.Namespace, torch.device | None]:
+    """A GPU bench's arguments and its device (gpu_or_tiny: None where it has nothing to `nothing`)."""
+    args = parser.parse_args(argv)
+    return args, gpu_or_tiny(tool, nothing, args.tiny)
 
 
 def fresh(device: torch.device) -> None:

@@ -22,6 +22,7 @@ from bench.harness.gpu import SETTLE_STEPS, WARMUP_STEPS, Setup, digest, fresh, 
 from pipeline.core.tracking import StageRun
 from pipeline.corpus import steps as division
 from pipeline.device import distributed, graphs
+from pipeline.device.precision import resolve
 from pipeline.training.loader import TrainingData
 from pipeline.training.trainer import Trainer
 
@@ -86,7 +87,7 @@ def trainer(s: Setup, data: TrainingData, ctx: distributed.Dist, mode: str, chec
     cfg = replace(s.train_cfg, compile=mode != "eager", cuda_graphs=records_graphs(mode),
                   compile_scope="step" if mode.startswith("step") else "layers")
     return Trainer(data, s.model_cfg, cfg, s.max_tokens, ctx, StageRun(), phash="gpu-check", checkpoints=checkpoints,
-                   ddp=ddp)
+                   precision=resolve(cfg.cpu_matmul, ctx.device), ddp=ddp)
 
 
 def as_rank_share(t: Trainer, ranks: int) -> None:

@@ -45,14 +45,18 @@ shuffled at training time.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from pathlib import Path
 
 import numpy as np
 
-from pipeline.core.config import ParamsError
-from pipeline.core.files import InputError
-from pipeline.corpus.formats import Ragged, load_split, read_meta
+from pipeline.core.config import BatchConfig, ParamsError
+from pipeline.core.files import InputError, atomic_dir, write_json
+from pipeline.corpus import steps
+from pipeline.corpus.formats import BATCHED_SPLITS, Ragged, batch_paths, load_split, read_meta
+
+log = logging.getLogger(__name__)
 
 
 def model_lengths(tokenized: str | Path, split: str) -> tuple[np.ndarray, np.ndarray]:
@@ -161,3 +165,43 @@ def padding_stats(S: np.ndarray, T: np.ndarray, batches: Ragged, length_bucket_s
     stats["padding_efficiency"] = real / total
     stats["sentences_per_batch_mean"] = float(n.mean())
     return stats
+
+
+def step_stats(S: np.ndarray, T: np.ndarray, batches: Ragged, batches_per_step: int, seed: int) -> dict[str, float]:
+    """Real source and target tokens per optimizer step over the first epoch, in the train stage's batch order."""
+    order, starts = steps.epoch_order(len(batches), seed, 0), batches.offsets[:-1]
+    stats: dict[str, float] = {"batches_per_step": batches_per_step}
+    for side, lengths in (("src", S), ("tgt", T)):
+        per_step = steps.epoch_step_tokens(np.add.reduceat(lengths[batches.values], starts), order, batches_per_step)
+        stats |= steps.per_step_metrics(side, int(per_step.sum()), len(per_step), int(per_step.min()),
+                                        int(per_step.max()))
+    return stats
+
+
+def write_batches(tokenized: Path, out: Path, metrics_path: Path, cfg: BatchConfig, batches_per_step: int,
+                  seed: int) -> dict[str, float]:
+    """Batch the train and valid splits into `out` and write their metrics (both atomically); return the metrics."""
+    metrics: dict[str, float] = {"max_tokens": cfg.max_tokens}
+    lengths = {split: model_lengths(tokenized, split) for split in BATCHED_SPLITS}  # a missing input: nothing made
+    with atomic_dir(out) as tmp:
+        for split in BATCHED_SPLITS:
+            S, T = lengths[split]
+            batches = make_batches(S, T, cfg.max_tokens, cfg.seed, split, cfg.length_bucket_step)
+            index_path, bounds_path = batch_paths(tmp, split)
+            np.save(index_path, batches.values)
+            np.save(bounds_path, batches.offsets)
+            stats = padding_stats(S, T, batches, cfg.length_bucket_step)  # empty for an empty split
+            log.info("%s: %d pairs in %d batches of %s distinct shapes, padding efficiency %s", split, len(S),
+                     len(batches), stats.get("num_shapes"), stats.get("padding_efficiency"))
+            if split == "train":
+                metrics |= stats | {"num_batches": len(batches)}
+                metrics |= step_stats(S, T, batches, batches_per_step, seed)
+                log.info("train: %d batches a step, real tokens a step: source %.0f, target %.0f (mean)",
+                         batches_per_step, metrics["src_tokens_per_step_mean"], metrics["tgt_tokens_per_step_mean"])
+            else:
+                metrics[f"{split}_num_batches"] = len(batches)
+                if stats:
+                    metrics[f"{split}_padding_efficiency"] = stats["padding_efficiency"]
+                    metrics[f"{split}_num_shapes"] = stats["num_shapes"]
+        write_json(metrics_path, metrics)  # inside atomic_dir: a failure here keeps the old batches too
+    return metrics

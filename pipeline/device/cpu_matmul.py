@@ -3,7 +3,7 @@
     choice = cpu_matmul.choose(train_cfg.cpu_matmul, device)   # "fp32", "onednn", "bf16" or "autocast"; fails where
                                                                 # bf16 cannot run
     cpu_matmul.use(choice)                                      # for the rest of this process (the flag is global)
-    cpu_matmul.cpu_class()                                      # the CPU's model and the class that decides the choice
+    cpu.cpu_class()                                             # the CPU's model and the class that decides the choice
 
 A run takes these through its Precision (pipeline/device/precision.py), resolved once.
 
@@ -44,8 +44,7 @@ from dataclasses import fields
 import torch
 
 from pipeline.core.config import ParamsError, TrainConfig
-from pipeline.device.peak import AMX_BF16_FLAG as AMX_FLAG, AVX512, AVX512_BF16_FLAG as AVX512_BF16, cpu_flags, cpuinfo
-from pipeline.device.peak import has_avx512_bf16 as avx512_bf16_in
+from pipeline.device import cpu
 
 log = logging.getLogger(__name__)
 
@@ -57,30 +56,6 @@ SETTINGS = next(f for f in fields(TrainConfig) if f.name == "cpu_matmul").metada
 PRIMITIVE_CACHE = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "16384")
 CHOICES = ("fp32", "onednn", "bf16", "autocast")  # choose()'s answers: fp32 by torch's BLAS, fp32 by oneDNN, bf16
 # products on AMX, bf16 autocast on AVX-512 BF16
-
-
-def has_amx(text: str | None = None) -> bool:
-    """Whether this CPU (or a /proc/cpuinfo `text`) has AMX's bf16 tiles."""
-    return AMX_FLAG in cpu_flags(text)
-
-
-def has_avx512_bf16(text: str | None = None) -> bool:
-    """Whether this CPU (or a /proc/cpuinfo `text`) has AVX-512 with its bf16 dot products."""
-    return avx512_bf16_in(cpu_flags(text))
-
-
-def has_avx512(text: str | None = None) -> bool:
-    """Whether this CPU (or a /proc/cpuinfo `text`) has the AVX-512 that torch's oneDNN products need."""
-    return cpu_flags(text).issuperset(AVX512)
-
-
-def cpu_class(text: str | None = None) -> str:
-    """This CPU (or a /proc/cpuinfo `text`) as the choice sees it: its model name and the widest of AMX, AVX-512 BF16,
-    AVX-512 and AVX2 it has."""
-    flags = cpu_flags(text)
-    kind = ("AMX" if AMX_FLAG in flags else "AVX-512 BF16, no AMX" if avx512_bf16_in(flags) else
-            "AVX-512, no bf16" if flags.issuperset(AVX512) else "AVX2 only" if "avx2" in flags else "no AVX2")
-    return f"{cpuinfo('model name', text) or 'a CPU'} ({kind})"
 
 
 def onednn_keeps_fp32() -> bool:
@@ -105,17 +80,17 @@ def choose(setting: str, device: torch.device, text: str | None = None) -> str:
         raise ParamsError(f"train.cpu_matmul = {setting!r}: expected one of {', '.join(map(repr, SETTINGS))}")
     if device.type != "cpu":
         return "fp32"
-    amx, onednn = has_amx(text), torch.backends.mkldnn.is_available()
+    amx, onednn = cpu.has_amx(text), torch.backends.mkldnn.is_available()
     if setting in ("bf16", "auto") and amx:
         return "bf16"
-    if setting in ("bf16", "auto", "autocast") and not amx and has_avx512_bf16(text) and onednn:
+    if setting in ("bf16", "auto", "autocast") and not amx and cpu.has_avx512_bf16(text) and onednn:
         return "autocast"
     if setting == "bf16":
-        raise ParamsError(f"train.cpu_matmul = 'bf16': this CPU has neither AMX nor AVX-512 BF16 ({AMX_FLAG}, "
-                          f"{AVX512_BF16} are not among the flags of /proc/cpuinfo)"
+        raise ParamsError(f"train.cpu_matmul = 'bf16': this CPU has neither AMX nor AVX-512 BF16 ({cpu.AMX_BF16}, "
+                          f"{cpu.AVX512_BF16} are not among the flags of /proc/cpuinfo)"
                           + ("" if onednn else " or torch lacks oneDNN") + ", the native bf16 products it needs; "
                           "set it to 'auto' or 'fp32'")
-    if setting == "blas" or amx or not has_avx512(text) or not onednn:
+    if setting == "blas" or amx or not cpu.has_avx512(text) or not onednn:
         return "fp32"
     if onednn_keeps_fp32():
         return "onednn"

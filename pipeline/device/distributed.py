@@ -281,16 +281,3 @@ def check_precision(label: str, ctx: Dist) -> None:
                remedy="every process of a run must train in the same precision: run it on GPUs of one kind (bf16 on "
                       "compute capability 8.0 and newer, fp16 on 7.x, fp32 before), or CPUs of one kind: "
                       "train.cpu_matmul chooses by the CPU's flags (AMX, AVX-512)")
-
-
-def autocast_dtype(device: torch.device) -> torch.dtype:
-    """bf16 on GPUs that have it (compute capability 8.0+), fp16 (with a grad scaler) on 7.x, else fp32; CPUs fp32.
-
-    V100 and T4 (7.0, 7.5) have fp16 tensor cores but no bf16; P100 and older
-    (6.x) get fp32, as the paper trained.
-    """
-    if device.type != "cuda":
-        return torch.float32
-    major, _ = torch.cuda.get_device_capability(device)
-    return torch.bfloat16 if major >= 8 else torch.float16 if major >= 7 else torch.float32
-

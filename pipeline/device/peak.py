@@ -42,8 +42,9 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from model import flops as flops_lib
-from pipeline.device.distributed import Dist, autocast_dtype
 from pipeline.core.files import write_json
+from pipeline.device import cpu
+from pipeline.device.distributed import Dist
 
 if TYPE_CHECKING:
     from pipeline.device.precision import Precision
@@ -54,16 +55,7 @@ ROUNDS, SECONDS = 5, 1.0
 CACHE_NAME = "attention-is-all-you-need/peak_flops.json"
 # fp32 FLOP per cycle and core for the widest FMA unit the flags show: two pipes x lanes x 2 (multiply, add).
 FLOPS_PER_CYCLE = ((("avx512f",), 64), (("avx2", "fma"), 32), (("avx",), 16), (("sse2",), 8))
-AMX_BF16_FLAG = "amx_bf16"  # /proc/cpuinfo's flag of AMX's bf16 tiles
 AMX_BF16_FLOPS_PER_CYCLE = 1024  # per core: a 16 x 32 by 32 x 16 bf16 tile product (16,384 FLOP) every 16 cycles
-AVX512_BF16_FLAG = "avx512_bf16"  # /proc/cpuinfo's flag of AVX-512's bf16 dot products: two products and their sum
-# per fp32 lane, twice the fp32 FMA's FLOP per cycle
-AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq")  # what torch asks of a CPU before it lets oneDNN compute
-
-
-def has_avx512_bf16(flags: set[str]) -> bool:
-    """Whether /proc/cpuinfo's `flags` show AVX-512 (as torch's oneDNN needs it) with its bf16 dot products."""
-    return flags.issuperset(AVX512) and AVX512_BF16_FLAG in flags
 
 
 @dataclass(frozen=True)
@@ -128,38 +120,15 @@ def measured_peak(dtype: torch.dtype, device: torch.device) -> float:
         return max(flops_lib.measure_matmul_peak(dtype, n=n, seconds=SECONDS, device=device) for _ in range(ROUNDS))
 
 
-def cpuinfo(field: str, text: str | None = None) -> str | None:
-    """The first processor's `field` in /proc/cpuinfo (or in `text`); None where there is none."""
-    if text is None:
-        try:
-            text = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return None
-    for line in text.splitlines():
-        name, _, value = line.partition(":")
-        if name.strip() == field:
-            return value.strip()
-    return None
-
-
-def cpu_flags(text: str | None = None) -> set[str]:
-    """The first processor's flags in /proc/cpuinfo (or in `text`)."""
-    return set((cpuinfo("flags", text) or "").split())
-
-
-def cpu_name() -> str:
-    return cpuinfo("model name") or "cpu"
-
-
 def nominal_cpu_peak(threads: int, text: str | None = None, products: str = "fp32") -> float | None:
     """threads x clock x FLOPS_PER_CYCLE of the widest FMA unit (for bf16 `products`: AMX_BF16_FLOPS_PER_CYCLE on a
     CPU with amx_bf16, else twice the fp32 figure on one with avx512_bf16), from /proc/cpuinfo (or `text`); None if
     unknown."""
-    mhz, flags = cpuinfo("cpu MHz", text), cpu_flags(text)
+    mhz, flags = cpu.cpuinfo("cpu MHz", text), cpu.flags(text)
     fp32 = next((n for needs, n in FLOPS_PER_CYCLE if flags.issuperset(needs)), None)
     if products == "bf16":
-        per_cycle = (AMX_BF16_FLOPS_PER_CYCLE if AMX_BF16_FLAG in flags else
-                     2 * fp32 if has_avx512_bf16(flags) and fp32 else None)
+        per_cycle = (AMX_BF16_FLOPS_PER_CYCLE if cpu.has_amx(text) else
+                     2 * fp32 if cpu.has_avx512_bf16(text) and fp32 else None)
     else:
         per_cycle = fp32
     try:
@@ -169,15 +138,15 @@ def nominal_cpu_peak(threads: int, text: str | None = None, products: str = "fp3
     return threads * clock * per_cycle if clock > 0 and per_cycle else None
 
 
-def peak_flops(ctx: Dist, path: Path | None = None, precision: Precision | None = None) -> Peak:
+def peak_flops(ctx: Dist, precision: Precision, path: Path | None = None) -> Peak:
     """This process's device peak: a GPU's datasheet figure, a CPU's nominal one, else the cached (or now measured)
-    matmul peak, at the run's `precision` (pipeline/device/precision.py, applied before this call; None: fp32 on a
-    CPU, a GPU's autocast); the paper's estimate keeps the fp32 figure."""
+    matmul peak, at the run's `precision` (pipeline/device/precision.py, applied before this call); the paper's
+    estimate keeps the fp32 figure."""
     path = path or cache_path()
-    products = precision.peak if precision else "fp32"
+    products = precision.peak
     if ctx.cuda:
         name = torch.cuda.get_device_name(ctx.device)
-        dtype = precision.dtype if precision else autocast_dtype(ctx.device)
+        dtype = precision.dtype
         try:
             return Peak(flops_lib.device_tflops(name, dtype) * 1e12, flops_lib.device_tflops(name, "fp32"), name,
                         "nominal", None)
@@ -188,13 +157,13 @@ def peak_flops(ctx: Dist, path: Path | None = None, precision: Precision | None 
         flops, source = cached_peak(path, key, lambda: measured_peak(dtype, ctx.device))
         return Peak(flops, fp32 / 1e12, name, source, key)
     threads = torch.get_num_threads()
-    device = f"{cpu_name()} ({threads} threads/process)"
+    device = f"{cpu.name()} ({threads} threads/process)"
     fp32 = nominal_cpu_peak(threads)
     if products == "bf16" and (nominal := nominal_cpu_peak(threads, products="bf16")):
         return Peak(nominal, (fp32 or nominal) / 1e12, device, "nominal", None)
     if products == "fp32" and fp32:
         return Peak(fp32, fp32 / 1e12, device, "nominal", None)
-    key = cache_key(cpu_name(), threads, "fp32" if products == "fp32" else "fp32 with bf16 products")
+    key = cache_key(cpu.name(), threads, "fp32" if products == "fp32" else "fp32 with bf16 products")
     flops, source = cached_peak(path, key, lambda: measured_peak(torch.float32, ctx.device))
     return Peak(flops, (fp32 or flops) / 1e12, device, source, key)
 
@@ -221,7 +190,7 @@ def settle(peak: Peak, achieved: float, path: Path | None = None) -> Peak:
 def main() -> None:
     """Measure now and raise the cached figure (e.g. once on a quiet machine, before training)."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    key = cache_key(cpu_name(), torch.get_num_threads(), "fp32")
+    key = cache_key(cpu.name(), torch.get_num_threads(), "fp32")
     flops = measured_peak(torch.float32, torch.device("cpu"))
     remember(cache_path(), key, flops)
     print(f"{key}: measured {flops / 1e9:.1f} GFLOP/s; cached {read_cache(cache_path())[key] / 1e9:.1f} "

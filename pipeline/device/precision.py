@@ -20,7 +20,7 @@ only sum in another order, as torch.compile does: named in the label, not hashed
 CPUs: train.cpu_matmul (pipeline/device/cpu_matmul.py chooses the kernels by
 the CPU's flags). GPUs: bf16 autocast where the GPU has bf16 (compute
 capability 8.0+), fp16 autocast with a gradient scaler on 7.x, fp32 before
-(distributed.autocast_dtype); train.cpu_matmul does not apply.
+(autocast_dtype); train.cpu_matmul does not apply.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.device import cpu_matmul, distributed
+from model import flops as flops_lib
+from pipeline.device import cpu, cpu_matmul
 
-DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 # A CPU choice (cpu_matmul.CHOICES): (key, label, autocast dtype, the products' precision for MFU)
 CPU_CHOICES = {
     "fp32": ("fp32", "fp32", torch.float32, "fp32"),
@@ -52,7 +52,7 @@ class Precision:
     """How this run's steps compute, as resolved on its device; every consumer takes this value."""
 
     device: str  # "cpu" or "cuda"
-    machine: str  # the device class that decided it: cpu_matmul.cpu_class, or the GPU and its capability
+    machine: str  # the device class that decided it: cpu.cpu_class, or the GPU and its capability
     setting: str  # train.cpu_matmul as written
     products: str  # a CPU's choice (cpu_matmul.CHOICES); "gpu" on a GPU, whose products follow `dtype`
     dtype: torch.dtype  # the step's autocast dtype; fp32 = no autocast
@@ -89,19 +89,31 @@ class Precision:
                 f"another: -S train.cpu_matmul=<{others}> (README, \"Quick start\")")
 
 
+def autocast_dtype(device: torch.device) -> torch.dtype:
+    """bf16 on GPUs that have it (compute capability 8.0+), fp16 (with a grad scaler) on 7.x, else fp32; CPUs fp32.
+
+    V100 and T4 (7.0, 7.5) have fp16 tensor cores but no bf16; P100 and older
+    (6.x) get fp32, as the paper trained.
+    """
+    if device.type != "cuda":
+        return torch.float32
+    major, _ = torch.cuda.get_device_capability(device)
+    return torch.bfloat16 if major >= 8 else torch.float16 if major >= 7 else torch.float32
+
+
 def resolve(setting: str, device: torch.device, text: str | None = None) -> Precision:
     """The Precision of train.cpu_matmul = `setting` on `device` (`text`: a /proc/cpuinfo to read instead)."""
-    gpu_dtype = distributed.autocast_dtype(device)
+    gpu_dtype = autocast_dtype(device)
     if device.type != "cpu" or gpu_dtype != torch.float32:  # a GPU (or a test making a CPU train as one)
         cpu_matmul.choose(setting, device, text)  # the setting is checked everywhere
         machine = (f"{torch.cuda.get_device_name(device)} (compute capability "
                    f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))})" if device.type == "cuda"
                    else device.type)
-        key = "fp32" if gpu_dtype == torch.float32 else f"{DTYPE_NAMES[gpu_dtype]} autocast"
+        key = "fp32" if gpu_dtype == torch.float32 else f"{flops_lib.DTYPE_NAMES[gpu_dtype]} autocast"
         peak = "fp32" if gpu_dtype == torch.float32 else "bf16"
         products = "gpu" if device.type != "cpu" else "fp32"
         return Precision(device.type, machine, setting, products, gpu_dtype, key, GPU_LABELS[gpu_dtype], peak)
-    return of_choice(cpu_matmul.choose(setting, device, text), setting, cpu_matmul.cpu_class(text))
+    return of_choice(cpu_matmul.choose(setting, device, text), setting, cpu.cpu_class(text))
 
 
 def of_choice(products: str, setting: str = "", machine: str = "cpu") -> Precision:

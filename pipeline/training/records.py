@@ -104,7 +104,7 @@ def step_tokens_metrics(p: Progress) -> dict[str, float]:
 
 def train_metrics(p: Progress, *, stopped_by_time: bool, train_batches: int, cuda_graphs: tuple[int | None, int | None],
                   peak: Peak, world: int, accum: int, code_hash: str, phash: str,
-                  precision: Precision | None = None) -> dict:
+                  precision: Precision) -> dict:
     """metrics/train.json: flat, the DVC record of the run. tokens_per_second and mfu are over the steps' time
     less their compiling (step_seconds - compile_seconds: Progress.train_seconds), so a compiled run's rate
     is its steady one; step_seconds is every step's time, compiling included.
@@ -141,7 +141,7 @@ def train_metrics(p: Progress, *, stopped_by_time: bool, train_batches: int, cud
         "device": peak.device,
         # how the steps computed (precision.py): the label names the kernels, the key is hashed into params_hash
         "precision": precision_label(p, precision),
-        "precision_key": precision.key if precision else "fp32",
+        "precision_key": precision.key,
         "devices": world,
         "grad_accum": accum,
         "code_hash": code_hash,
@@ -153,10 +153,9 @@ def train_metrics(p: Progress, *, stopped_by_time: bool, train_batches: int, cud
     }
 
 
-def precision_label(p: Progress, precision: Precision | None) -> str:
+def precision_label(p: Progress, precision: Precision) -> str:
     """The precision the run's steps computed in: one label, or each resumed segment's from its first step when a
     resume computed otherwise (cpu_matmul = blas after oneDNN's products: the same key, other kernels)."""
-    label = precision.label if precision else "fp32"
     if len(p.precisions) < 2:
-        return label
+        return precision.label
     return ", then ".join(f"{s['label']} from step {s['step']}" for s in p.precisions)

@@ -1,6 +1,6 @@
 """The training loop of Sec. 5: Adam, warmup then inverse-square-root LR, label smoothing, data parallel.
 
-    trainer = Trainer(data, model_cfg, train_cfg, max_tokens, ctx, run, phash, checkpoints, plot, precision)
+    trainer = Trainer(data, model_cfg, train_cfg, max_tokens, ctx, run, phash, checkpoints, plot, precision=precision)
     metrics = trainer.fit()            # or drive it: trainer.step(order), trainer.validate()
 
 Each step updates on batches_per_step() stored batches, whatever the world size
@@ -61,7 +61,7 @@ from pipeline.device.distributed import Dist
 from pipeline.core.files import write_text
 from pipeline.training.loader import Prefetcher, TrainingData
 from pipeline.training.optimizer import build_optimizer, train_step, zero_grads
-from pipeline.device.precision import Precision, resolve
+from pipeline.device.precision import Precision
 from pipeline.training.records import plot_csv, trace, widen
 from pipeline.training.run_checkpoints import RunCheckpoints
 from pipeline.training.validation import validate
@@ -76,8 +76,8 @@ class Trainer(RunCheckpoints):
     """
 
     def __init__(self, data: TrainingData, model_cfg: ModelConfig, cfg: TrainConfig, max_tokens: int, ctx: Dist,
-                 run: tracking.StageRun, phash: str, checkpoints: Path | None = None, plot: Path | None = None,
-                 precision: Precision | None = None, ddp: bool = False):
+                 run: tracking.StageRun, phash: str, checkpoints: Path | None = None, plot: Path | None = None, *,
+                 precision: Precision, ddp: bool = False):
         self.data, self.model_cfg, self.cfg, self.ctx, self.run = data, model_cfg, cfg, ctx, run
         self.phash, self.checkpoints, self.plot = phash, checkpoints, plot
         self._order: tuple[int, np.ndarray] = (-1, np.zeros(0, np.int64))  # (epoch, its batch order)
@@ -99,8 +99,8 @@ class Trainer(RunCheckpoints):
         self.optimizer = build_optimizer(self.model, cfg)
         # Paper: fp32 on P100s. GPUs train under autocast: bf16, or fp16 with a gradient scaler on GPUs without
         # bf16 (the weights and Adam stay fp32). CPUs: train.cpu_matmul. How the step computes, never what it
-        # trains (precision.py): the stage resolved it once and hashed it into phash; benches resolve it here.
-        self.precision = precision or resolve(cfg.cpu_matmul, ctx.device)
+        # trains (precision.py): the stage resolved it once and hashed it into phash.
+        self.precision = precision
         self.precision.use()  # this process's products and attention kernels
         distributed.check_precision(self.precision.label, ctx)
         self.autocast, self.scaler = self.precision.autocast(), self.precision.grad_scaler()

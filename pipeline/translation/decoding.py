@@ -23,7 +23,7 @@ from pipeline.core.config import ParamsError, TranslateConfig
 from pipeline.corpus.formats import BOS_ID, EOS_ID, PAD_ID
 from pipeline.translation.lengths import max_source_len, warn_cut
 from pipeline.progress import progress_bar
-from pipeline.device import distributed
+from pipeline.device import precision as training_precision
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ def decoding_precision(model: Transformer, setting: str = "auto") -> torch.dtype
     """
     device = model.embedding.weight.device
     dtype = PRECISIONS.get(setting, torch.float32)
-    if dtype == torch.bfloat16 and device.type == "cuda" and distributed.autocast_dtype(device) != torch.bfloat16:
+    if dtype == torch.bfloat16 and device.type == "cuda" and training_precision.autocast_dtype(device) != torch.bfloat16:
         raise ParamsError(f"translate.precision = 'bf16': this GPU ({torch.cuda.get_device_name(device)}) has no bf16 "
                           "(compute capability 8.0 and newer); set it to 'auto', 'fp32' or 'fp16'")
     model.to(dtype)  # in place: parameters and buffers (nothing to do in fp32)

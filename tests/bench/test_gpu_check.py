@@ -27,7 +27,8 @@ from model.transformer import Transformer
 from pipeline.core import config
 from pipeline.core.tracking import StageRun
 from pipeline.corpus import steps
-from pipeline.device import compiled, distributed
+from pipeline.device import compiled, distributed, precision
+from pipeline.device.precision import resolve
 from pipeline.training.trainer import Trainer
 from pipeline.weights import fingerprint
 from pipeline.weights.checkpoint import resume_point
@@ -87,7 +88,7 @@ def test_gpu_check_times_the_trainers_step_as_one_gpu_runs_it_in_epoch_order_and
     assert found is not None and found.payload["step"] == gpu_setup.WARMUP_STEPS + n + 1
     # ... with the weights the Trainer gets without the group: DDP over one process changes no number.
     plain = Trainer(data, s.model_cfg, s.train_cfg.__class__(**{**vars(s.train_cfg), "compile": False}), s.max_tokens,
-                    distributed.Dist(0, 1, 0, CPU), StageRun(), phash="")
+                    distributed.Dist(0, 1, 0, CPU), StageRun(), phash="", precision=resolve(s.train_cfg.cpu_matmul, CPU))
     assert not isinstance(plain.loss_model, DistributedDataParallel)
     for _ in range(gpu_setup.WARMUP_STEPS + n + 1):
         plain.step(plain.epoch_order())
@@ -103,7 +104,7 @@ def test_decoding_casts_the_model_as_the_translate_stage_does_and_times_the_trai
     sources = [np.asarray(src[i], dtype=np.int64) for i in range(len(src))]
     model, dtype = gpu_decode.decoding_model(s, stage_precision=True)
     assert dtype == torch.float32 and {p.dtype for p in model.parameters()} == {torch.float32}
-    monkeypatch.setattr(distributed, "autocast_dtype", lambda device: torch.bfloat16)
+    monkeypatch.setattr(precision, "autocast_dtype", lambda device: torch.bfloat16)
     model, dtype = gpu_decode.decoding_model(s, stage_precision=True)
     assert dtype == torch.float32 and {p.dtype for p in model.parameters()} == {torch.float32}
     model, dtype = gpu_decode.decoding_model(s, stage_precision=False)

@@ -19,7 +19,7 @@ import pytest
 import yaml
 from sacrebleu.dataset.fake_sgml import FakeSGMLDataset
 
-from pipeline.corpus import fetch, rawtext
+from pipeline.corpus import fetch, rawtext, sources
 from stages import download
 from pipeline.core.config import ParamsError, load_all
 from tests.fixtures.files_server import FileServer
@@ -458,7 +458,7 @@ def test_sgml_text_matches_sacrebleu_on_odd_segments(tmp_path):
 def test_line_breaks_inside_lines_are_kept_and_warned(tmp_path, caplog):
     path = tmp_path / "out.txt"
     with open(path, "w", encoding="utf-8", newline="\n") as f, caplog.at_level(logging.WARNING):
-        assert download.write_lines(f, ["a\rb", "c\u2028d", "e", ""], "toy src") == 4
+        assert sources.write_lines(f, ["a\rb", "c\u2028d", "e", ""], "toy src") == 4
     assert path.read_bytes() == "a\rb\nc\u2028d\ne\n\n".encode()
     assert "toy src: 2 line breaks other than" in caplog.text
 

@@ -19,6 +19,7 @@ from model.transformer import Transformer
 from pipeline.core.config import TrainConfig
 from pipeline.core.tracking import StageRun
 from pipeline.device import compiled, distributed
+from pipeline.device.precision import resolve
 from pipeline.training.loader import TrainingData
 from pipeline.training.trainer import Trainer
 from pipeline.weights.checkpoint import load_model
@@ -34,7 +35,8 @@ pytestmark = pytest.mark.usefixtures("one_thread", "aot_eager")
 def trained_steps(data: TrainingData, compile_: bool, steps: int) -> tuple[list[float], list[dict], dict]:
     """`steps` steps of the trainer's own step: each step's loss, each step's gradients, the final weights."""
     cfg = TrainConfig(**{**TRAIN, "compile": compile_})
-    trainer = Trainer(data, ModelConfig(**MODEL), cfg, 24, distributed.Dist(0, 1, 0, CPU), StageRun(), phash="")
+    trainer = Trainer(data, ModelConfig(**MODEL), cfg, 24, distributed.Dist(0, 1, 0, CPU), StageRun(), phash="",
+                      precision=resolve(cfg.cpu_matmul, CPU))
     assert bool(trainer.compiled) == compile_
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     grads: dict[str, torch.Tensor] = {}

@@ -15,6 +15,7 @@ from model.config import ModelConfig
 from pipeline.core.config import TrainConfig
 from pipeline.core.tracking import StageRun
 from pipeline.device import compiled, distributed
+from pipeline.device.precision import resolve
 from pipeline.training.loader import TrainingData
 from pipeline.training.trainer import Trainer
 from tests.fixtures.train import MODEL, TRAIN, write_corpus
@@ -84,6 +85,7 @@ def test_callbacks_called_with_arguments_the_clock_does_not_take_stop_the_run_in
     data = TrainingData.load(*write_corpus(tmp_path, n_train=8, n_valid=4))
     cfg = TrainConfig(**{**TRAIN, "compile": True})
     with caplog.at_level(logging.WARNING), pytest.raises(compiled.CompileClockError, match="2 argument"):
-        trainer = Trainer(data, ModelConfig(**MODEL), cfg, 24, distributed.Dist(0, 1, 0, CPU), StageRun(), phash="")
+        trainer = Trainer(data, ModelConfig(**MODEL), cfg, 24, distributed.Dist(0, 1, 0, CPU), StageRun(), phash="",
+                          precision=resolve(cfg.cpu_matmul, CPU))
         trainer.step(trainer.epoch_order())
     assert "training eager instead" not in caplog.text

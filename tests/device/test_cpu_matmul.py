@@ -12,14 +12,14 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from pipeline.core.config import ParamsError
-from pipeline.device import attention, cpu_matmul, distributed, peak
+from pipeline.device import attention, cpu, cpu_matmul, distributed, peak
 from pipeline.device.precision import of_choice
 from tests.fixtures.cpu import AUTOCAST, BF16, EPYC, ONEDNN, SKYLAKE, XEON, ZEN, as_cpu
 from tests.fixtures.train import final_weights, stage_args, write_corpus, write_params
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 CTX = distributed.Dist(0, 1, 0, CPU)
-NATIVE_AVX512 = cpu_matmul.has_avx512() and not cpu_matmul.has_amx()
+NATIVE_AVX512 = cpu.has_avx512() and not cpu.has_amx()
 
 
 @pytest.mark.parametrize("setting, text, device, want", [
@@ -62,7 +62,7 @@ def test_the_choice_and_the_peak_see_avx512_bf16_only_with_the_avx512_torch_need
     monkeypatch.setattr(cpu_matmul, "onednn_keeps_fp32", lambda: True)
     assert cpu_matmul.choose("auto", CPU, partial) == "fp32"
     assert peak.nominal_cpu_peak(2, partial, products="bf16") is None
-    assert cpu_matmul.has_avx512_bf16(ZEN) and peak.nominal_cpu_peak(2, ZEN, products="bf16") is not None
+    assert cpu.has_avx512_bf16(ZEN) and peak.nominal_cpu_peak(2, ZEN, products="bf16") is not None
 
 
 @pytest.mark.parametrize("choice, dtype", [("autocast", torch.bfloat16), ("onednn", torch.float32),
@@ -113,10 +113,10 @@ def test_the_nominal_peak_of_bf16_products_is_the_amx_tiles_rate_and_the_paper_k
     as_cpu(monkeypatch, XEON)
     monkeypatch.setattr(peak, "measured_peak", lambda *a: pytest.fail("measured despite a nominal figure"))
     threads = torch.get_num_threads()
-    found = peak.peak_flops(CTX, tmp_path / "peak.json", precision=of_choice("bf16"))
+    found = peak.peak_flops(CTX, of_choice("bf16"), tmp_path / "peak.json")
     assert (found.flops, found.source) == (pytest.approx(threads * 2500e6 * 1024), "nominal")
     assert found.fp32_tflops == pytest.approx(threads * 2500e6 * 64 / 1e12)  # the paper's estimate: fp32 (avx512f)
-    fp32 = peak.peak_flops(CTX, tmp_path / "peak.json")
+    fp32 = peak.peak_flops(CTX, of_choice("fp32"), tmp_path / "peak.json")
     assert fp32.flops == pytest.approx(threads * 2500e6 * 64)
 
 
@@ -167,7 +167,7 @@ def test_bf16_autocast_trains_other_weights_than_fp32_and_the_same_twice(tmp_pat
     assert any(not torch.equal(first[k], fp32[k]) for k in first)  # the steps ran in bf16
 
 
-@pytest.mark.skipif(not cpu_matmul.has_amx(), reason="needs a CPU with AMX (amx_bf16)")
+@pytest.mark.skipif(not cpu.has_amx(), reason="needs a CPU with AMX (amx_bf16)")
 def test_on_amx_bf16_products_round_the_inputs_to_bf16_and_sum_in_fp32():
     a = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))
     b = torch.randn(256, 96, generator=torch.Generator().manual_seed(1))

@@ -17,6 +17,7 @@ from bench.harness import gpu as gpu_setup
 from pipeline.core.config import ParamsError
 from pipeline.core.tracking import StageRun
 from pipeline.device import compiled, distributed, graphs
+from pipeline.device.precision import resolve
 from pipeline.training.trainer import Trainer
 from stages import train
 from tests.fixtures.train import stage_args, write_corpus, write_params
@@ -34,7 +35,8 @@ def test_the_shapes_fed_to_the_model_over_an_epoch_are_the_batch_stages_num_shap
     assert s.batch_cfg.length_bucket_step > 1  # padded lengths on a grid: the bound under test
     data = gpu_setup.stream(s, seed=7, pairs=600, directory=tmp_path)
     stats = json.loads((tmp_path / "batch.json").read_text())
-    t = Trainer(data, s.model_cfg, s.train_cfg, s.max_tokens, distributed.Dist(0, 1, 0, CPU), StageRun(), phash="")
+    t = Trainer(data, s.model_cfg, s.train_cfg, s.max_tokens, distributed.Dist(0, 1, 0, CPU), StageRun(), phash="",
+                precision=resolve(s.train_cfg.cpu_matmul, CPU))
     seen = []  # (rows, source length, target length) of each micro-batch, as the layers receive it
     t.model.encoder[0].register_forward_pre_hook(lambda layer, args: seen.append(tuple(args[0].shape[:2])))
     t.model.decoder[0].register_forward_pre_hook(lambda layer, args: seen.append(seen.pop() + (args[0].shape[1],)))
@@ -71,7 +73,8 @@ def test_each_training_step_tells_the_cuda_graph_trees_a_new_step_begins(monkeyp
     s = gpu_setup.preset("base", CPU, tiny=True)
     data = gpu_setup.stream(s, seed=7, pairs=200, directory=tmp_path)
     cfg = replace(s.train_cfg, cuda_graphs=True)  # on a CPU the layers compile as train.compile (no recording)
-    t = Trainer(data, s.model_cfg, cfg, s.max_tokens, distributed.Dist(0, 1, 0, CPU), StageRun(), phash="")
+    t = Trainer(data, s.model_cfg, cfg, s.max_tokens, distributed.Dist(0, 1, 0, CPU), StageRun(), phash="",
+                precision=resolve(cfg.cpu_matmul, CPU))
     assert t.compiled
     for _ in range(3):
         t.step(t.epoch_order())

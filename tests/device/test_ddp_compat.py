@@ -18,6 +18,7 @@ from model.config import ModelConfig
 from pipeline.core.config import TrainConfig
 from pipeline.core.tracking import StageRun
 from pipeline.device import distributed
+from pipeline.device.precision import resolve
 from pipeline.training.loader import TrainingData
 from pipeline.training.optimizer import zero_grads
 from pipeline.training.trainer import Trainer
@@ -109,7 +110,7 @@ def test_the_trainer_hands_its_ddp_params_to_ddp(tmp_path):
     data = TrainingData.load(*write_corpus(tmp_path, n_train=8, n_valid=4))
     cfg = TrainConfig(**{**TRAIN, "ddp_bucket_mb": 0.5, "ddp_static_graph": True, "grad_compression": "fp16"})
     with gpu_check.process_group(CPU) as ctx:
-        trainer = Trainer(data, ModelConfig(**MODEL), cfg, 24, ctx, StageRun(), phash="", ddp=True)
+        trainer = Trainer(data, ModelConfig(**MODEL), cfg, 24, ctx, StageRun(), phash="", precision=resolve(cfg.cpu_matmul, CPU), ddp=True)
         ddp = trainer.loss_model
         assert ddp.bucket_bytes_cap == int(0.5 * 2**20) and ddp.static_graph
         assert ddp._comm_hooks[0][0] is distributed.COMPRESSION_HOOKS["fp16"]
@@ -122,7 +123,8 @@ def test_the_trainer_builds_its_ddp_and_steps_on_torch_2_11s_keywords(tmp_path, 
     monkeypatch.setattr(distributed, "DistributedDataParallel", Torch211DDP)
     data = TrainingData.load(*write_corpus(tmp_path, n_train=8, n_valid=4))
     with gpu_check.process_group(CPU) as ctx:
-        trainer = Trainer(data, ModelConfig(**MODEL), TrainConfig(**TRAIN), 24, ctx, StageRun(), phash="", ddp=True)
+        trainer = Trainer(data, ModelConfig(**MODEL), TrainConfig(**TRAIN), 24, ctx, StageRun(), phash="",
+                          precision=resolve("fp32", CPU), ddp=True)
         assert type(trainer.loss_model) is Torch211DDP and trainer.loss_model.broadcast_buffers is False
         trainer.step(trainer.epoch_order())
         trainer.close()
@@ -133,7 +135,8 @@ def test_gradients_stay_views_of_ddps_buckets_from_step_to_step(tmp_path):
     into its bucket again, and a gradient's memory is its bucket's. The buckets are seen through a comm hook (the default all-reduce, recording them)."""
     data = TrainingData.load(*write_corpus(tmp_path, n_train=8, n_valid=4))
     with gpu_check.process_group(CPU) as ctx:
-        trainer = Trainer(data, ModelConfig(**MODEL), TrainConfig(**TRAIN), 24, ctx, StageRun(), phash="", ddp=True)
+        trainer = Trainer(data, ModelConfig(**MODEL), TrainConfig(**TRAIN), 24, ctx, StageRun(), phash="",
+                          precision=resolve("fp32", CPU), ddp=True)
         buckets: dict[int, int] = {}  # storage pointer -> bytes, of every bucket the reducer all-reduced
 
         def hook(group, bucket):
@@ -160,7 +163,8 @@ def test_ddps_gradients_are_zeroed_by_one_multi_tensor_call_not_one_each(tmp_pat
     a single gradient outside it (on a GPU each would be a memset launched while the GPU idles)."""
     data = TrainingData.load(*write_corpus(tmp_path, n_train=8, n_valid=4))
     with gpu_check.process_group(CPU) as ctx:
-        trainer = Trainer(data, ModelConfig(**MODEL), TrainConfig(**TRAIN), 24, ctx, StageRun(), phash="", ddp=True)
+        trainer = Trainer(data, ModelConfig(**MODEL), TrainConfig(**TRAIN), 24, ctx, StageRun(), phash="",
+                          precision=resolve("fp32", CPU), ddp=True)
         trainer.step(trainer.epoch_order())
         params = [p for p in trainer.model.parameters() if p.requires_grad]
         for p in params:

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from model.config import ModelConfig
-from pipeline.device import distributed
+from pipeline.device import distributed, precision
 from pipeline.core.config import BatchConfig, ParamsError, TrainConfig
 from pipeline.training.params import params_hash
 from pipeline.device.precision import resolve
@@ -102,7 +102,7 @@ def choose_precision(rank: int, port: int, out: str) -> None:
     os.environ.update(WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     ctx = distributed.setup(2, timeout_minutes=0.5)
-    distributed.autocast_dtype = lambda device: torch.float16 if rank == 1 else torch.bfloat16
+    precision.autocast_dtype = lambda device: torch.float16 if rank == 1 else torch.bfloat16
     try:
         distributed.check_precision(resolve("fp32", ctx.device).label, ctx)
         said = "no error"
@@ -155,8 +155,8 @@ def test_a_real_two_node_run_over_a_loopback_address_stops_both_nodes_with_that_
 def test_autocast_follows_the_gpus_capability_and_cpus_train_in_fp32(monkeypatch, capability, dtype):
     """H100/A100: bf16; V100 (7.0) and T4 (7.5): fp16 with a gradient scaler; P100 (6.0) and older: fp32."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    assert distributed.autocast_dtype(torch.device("cuda", 0)) == dtype
-    assert distributed.autocast_dtype(torch.device("cpu")) == torch.float32
+    assert precision.autocast_dtype(torch.device("cuda", 0)) == dtype
+    assert precision.autocast_dtype(torch.device("cpu")) == torch.float32
 
 
 def test_the_params_hash_counts_the_batches_of_a_step_not_the_processes(tmp_path):

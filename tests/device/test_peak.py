@@ -8,9 +8,10 @@ import logging
 import pytest
 import torch
 
-from pipeline.device import peak
+from pipeline.device import cpu, peak
 from pipeline.device.distributed import Dist
 from pipeline.device.peak import Peak
+from pipeline.device.precision import of_choice, resolve
 from tests.fixtures.cpu import EPYC
 
 CPU = Dist(0, 1, 0, torch.device("cpu"))
@@ -76,10 +77,10 @@ def test_a_cpu_without_clock_or_known_flags_has_no_nominal_peak(text):
 
 
 def test_a_cpu_run_takes_its_nominal_peak_whatever_the_load(tmp_path, monkeypatch):
-    read = peak.cpuinfo
-    monkeypatch.setattr(peak, "cpuinfo", lambda field, text=None: read(field, EPYC))
+    read = cpu.cpuinfo
+    monkeypatch.setattr(cpu, "cpuinfo", lambda field, text=None: read(field, EPYC))
     monkeypatch.setattr(peak, "measured_peak", lambda *a: pytest.fail("measured despite a nominal figure"))
-    found = peak.peak_flops(CPU, tmp_path / "peak.json")
+    found = peak.peak_flops(CPU, of_choice("fp32"), tmp_path / "peak.json")
     threads = torch.get_num_threads()
     assert (found.flops, found.source, found.key) == (pytest.approx(threads * 2445.406e6 * 32), "nominal", None)
     assert found.fp32_tflops == pytest.approx(found.flops / 1e12) and found.device == f"AMD EPYC ({threads} threads/process)"
@@ -89,10 +90,10 @@ def test_a_cpu_run_takes_its_nominal_peak_whatever_the_load(tmp_path, monkeypatc
 def test_a_cpu_run_takes_the_cached_peak_without_measuring(tmp_path, monkeypatch):
     monkeypatch.setattr(peak, "nominal_cpu_peak", lambda threads, text=None: None)  # e.g. no /proc/cpuinfo
     path = tmp_path / "peak.json"
-    key = peak.cache_key(peak.cpu_name(), torch.get_num_threads(), "fp32")
+    key = peak.cache_key(cpu.name(), torch.get_num_threads(), "fp32")
     path.write_text(json.dumps({key: 1.23e11}))
     monkeypatch.setattr(peak, "measured_peak", lambda *a: pytest.fail("measured despite a cached figure"))
-    found = peak.peak_flops(CPU, path)
+    found = peak.peak_flops(CPU, of_choice("fp32"), path)
     assert (found.flops, found.fp32_tflops, found.source, found.key) == (1.23e11, 0.123, "cached", key)
 
 
@@ -122,9 +123,10 @@ def test_a_run_faster_than_the_peak_raises_it_so_mfu_stays_at_most_one(tmp_path)
 @pytest.mark.parametrize("name, capability, tflops", [("NVIDIA H100 80GB HBM3", (9, 0), 989.4),
                                                       ("Tesla V100-SXM2-16GB", (7, 0), 125.0)])
 def test_a_gpus_peak_is_its_datasheets_at_the_precision_it_trains_in(tmp_path, monkeypatch, name, capability, tflops):
-    """H100: bf16; V100 has no bf16 and trains in fp16 (distributed.autocast_dtype): its fp16 tensor-core peak."""
+    """H100: bf16; V100 has no bf16 and trains in fp16 (precision.autocast_dtype): its fp16 tensor-core peak."""
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    got = peak.peak_flops(Dist(0, 1, 0, torch.device("cuda", 0)), tmp_path / "peak.json")
+    gpu = torch.device("cuda", 0)
+    got = peak.peak_flops(Dist(0, 1, 0, gpu), resolve("fp32", gpu), tmp_path / "peak.json")
     assert (got.flops, got.source, got.key) == (tflops * 1e12, "nominal", None)
     assert not (tmp_path / "peak.json").exists()

@@ -1,6 +1,6 @@
 """The GPU path's code on a CPU: autocast through the model and both losses, the gradient scaler, prefetching.
 
-A CPU trains in fp32 (distributed.autocast_dtype); here autocast is forced to
+A CPU trains in fp32 (precision.autocast_dtype); here autocast is forced to
 CPU bf16 / fp16 so that every line a GPU runs under autocast runs too. What
 needs CUDA itself (pinned memory, the GPU's capability) is tested at the end
 and skipped without a GPU.
@@ -18,7 +18,7 @@ import torch
 from model.config import ModelConfig
 from model.loss import SmoothedLoss
 from model.transformer import Transformer
-from pipeline.device import distributed
+from pipeline.device import distributed, precision
 from pipeline.core.config import TrainConfig
 from pipeline.training.loader import Prefetcher, TrainingData, collate
 from pipeline.training.optimizer import build_optimizer, train_step
@@ -62,7 +62,7 @@ def test_a_step_under_cpu_bf16_autocast_gives_fp32_gradients_close_to_fp32s(tmp_
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_the_train_stage_trains_and_resumes_under_autocast(tmp_path, monkeypatch, caplog, dtype):
     """bf16 as on an H100; fp16 with the gradient scaler as on a V100 (its state is checkpointed and resumed)."""
-    monkeypatch.setattr(distributed, "autocast_dtype", lambda device: dtype)
+    monkeypatch.setattr(precision, "autocast_dtype", lambda device: dtype)
     write_corpus(tmp_path)
     with caplog.at_level(logging.INFO):
         train.main(stage_args(tmp_path, write_params(tmp_path / "params.yaml", max_steps=4)))
@@ -130,6 +130,6 @@ def test_batches_reach_the_gpu_through_pinned_memory_from_the_prefetch_thread(tm
 def test_this_gpu_gets_the_precision_its_capability_allows():
     major, _ = torch.cuda.get_device_capability(0)
     expected = torch.bfloat16 if major >= 8 else torch.float16 if major >= 7 else torch.float32
-    assert distributed.autocast_dtype(torch.device("cuda", 0)) == expected
+    assert precision.autocast_dtype(torch.device("cuda", 0)) == expected
     if expected == torch.bfloat16:
         assert torch.cuda.is_bf16_supported()

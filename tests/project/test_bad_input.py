@@ -29,7 +29,7 @@ import yaml
 from model.config import ModelConfig
 from model.transformer import Transformer
 from pipeline.device import distributed
-from pipeline.corpus import fetch
+from pipeline.corpus import fetch, sources
 from pipeline.translation import scoring
 from pipeline.core import tracking
 from stages import average, batch, download, evaluate, train, translate
@@ -121,7 +121,7 @@ def test_sgml_declaring_the_right_languages_is_accepted(tmp_path):
 
 def test_a_reference_in_another_language_is_refused_naming_file_and_key(tmp_path):
     wrong = REF_SGM.replace(b'trglang="de"', b'trglang="fr"')
-    with pytest.raises(download.DownloadError, match=r'test\.ref\.sgm: line 1: <refset> declares trglang="fr" but '
+    with pytest.raises(sources.DownloadError, match=r'test\.ref\.sgm: line 1: <refset> declares trglang="fr" but '
                                                      r"data\.test\[0\]\.tgt is the data\.tgt_lang = 'de' side"):
         run_download(tmp_path, {"test.ref.sgm": wrong})
     assert nothing_written(tmp_path, "raw", "raw.json")
@@ -129,7 +129,7 @@ def test_a_reference_in_another_language_is_refused_naming_file_and_key(tmp_path
 
 def test_a_source_in_another_language_is_refused_naming_file_and_key(tmp_path):
     wrong = SRC_SGM.replace(b'srclang="any"', b'srclang="cs"')
-    with pytest.raises(download.DownloadError, match=r'test\.src\.sgm: line 1: <srcset> declares srclang="cs" but '
+    with pytest.raises(sources.DownloadError, match=r'test\.src\.sgm: line 1: <srcset> declares srclang="cs" but '
                                                      r"data\.test\[0\]\.src is the data\.src_lang = 'en' side"):
         run_download(tmp_path, {"test.src.sgm": wrong})
     assert nothing_written(tmp_path, "raw", "raw.json")
@@ -144,7 +144,7 @@ def test_a_source_in_another_language_is_refused_naming_file_and_key(tmp_path):
 def test_a_malformed_segment_is_refused_naming_file_and_line(tmp_path, file, old, new, message):
     broken = (REF_SGM if file == "test.ref.sgm" else SRC_SGM).replace(old, new)
     assert broken != (REF_SGM if file == "test.ref.sgm" else SRC_SGM)
-    with pytest.raises(download.DownloadError, match=message):
+    with pytest.raises(sources.DownloadError, match=message):
         run_download(tmp_path, {file: broken})
     assert nothing_written(tmp_path, "raw", "raw.json")
 
@@ -376,8 +376,8 @@ def test_every_data_preset_downloads_over_https_or_with_a_pinned_checksum(tmp_pa
     params = compose([f"data={preset}"])
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     data = load(tmp_path / "params.yaml", "data", DataConfig)
-    download.check_params(data)
-    for key, _, _, source in download.iter_sources(data):
+    sources.check_params(data)
+    for key, _, _, source in sources.iter_sources(data):
         assert source.url.startswith("https://") or source.sha256 is not None, key
 
 

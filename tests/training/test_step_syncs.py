@@ -26,6 +26,7 @@ from model.config import ModelConfig
 from pipeline.core.config import TrainConfig
 from pipeline.core.tracking import StageRun
 from pipeline.device import distributed
+from pipeline.device.precision import resolve
 from pipeline.training.loader import TrainingData
 from pipeline.training.optimizer import build_optimizer, train_step
 from pipeline.training.trainer import Trainer
@@ -70,7 +71,8 @@ def trainer(tmp_path, request):
     data = TrainingData.load(*write_corpus(tmp_path))
     alpha, fraction = request.param
     cfg = TrainConfig(**{**TRAIN, "rdrop_alpha": alpha, "rdrop_fraction": fraction})
-    return Trainer(data, ModelConfig(**MODEL), cfg, 24, distributed.Dist(0, 1, 0, CPU), StageRun(), phash="")
+    return Trainer(data, ModelConfig(**MODEL), cfg, 24, distributed.Dist(0, 1, 0, CPU), StageRun(), phash="",
+                   precision=resolve(cfg.cpu_matmul, CPU))
 
 
 @pytest.mark.parametrize("action", [

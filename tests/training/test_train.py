@@ -24,7 +24,7 @@ from model import loss as loss_lib
 from model.schedule import lrate
 from model.config import ModelConfig
 from model.transformer import Transformer
-from pipeline.device import distributed, peak
+from pipeline.device import cpu, distributed, peak
 from pipeline.training import trainer as trainer_lib
 from pipeline.corpus import steps
 from pipeline.core.files import write_json
@@ -251,7 +251,7 @@ def test_a_run_faster_than_the_cached_peak_raises_it_and_reports_mfu_one(tmp_pat
     """A cached peak below what the run achieves (e.g. measured under load) cannot give MFU > 1."""
     monkeypatch.setattr(peak, "nominal_cpu_peak", lambda threads, text=None: None)  # a CPU without /proc/cpuinfo
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    keys = [peak.cache_key(peak.cpu_name(), threads, "fp32") for threads in range(1, (os.cpu_count() or 1) + 1)]
+    keys = [peak.cache_key(cpu.name(), threads, "fp32") for threads in range(1, (os.cpu_count() or 1) + 1)]
     write_json(peak.cache_path(), {key: 1.0 for key in keys})  # 1 FLOP/s, whatever threads the stage takes
     write_corpus(tmp_path)
     metrics = run_stage(tmp_path, write_params(tmp_path / "params.yaml", max_steps=2, eval_every=0, checkpoint_every=0))

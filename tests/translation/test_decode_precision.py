@@ -1,6 +1,6 @@
 """stages.translate.decoding_precision: translate.precision, the weights cast once (auto: fp32 on every device).
 
-A GPU with bf16 is pretended on the CPU (distributed.autocast_dtype patched): CPUs run bf16 kernels too, so the
+A GPU with bf16 is pretended on the CPU (precision.autocast_dtype patched): CPUs run bf16 kernels too, so the
 cast and the decoding in it are exercised here; the stage's own CPU run stays fp32 (tests/translation/test_translate.py).
 """
 
@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from model.beam_search import beam_search
 from pipeline.core.config import ParamsError, TranslateConfig, parse
-from pipeline.device import distributed
+from pipeline.device import precision
 from stages import translate
 from tests.fixtures.beam import BOS, EOS, V, sources, tiny_model
 
@@ -33,7 +33,7 @@ class LinearWeights(TorchDispatchMode):
 
 @pytest.fixture
 def bf16_device(monkeypatch):
-    monkeypatch.setattr(distributed, "autocast_dtype", lambda device: torch.bfloat16)
+    monkeypatch.setattr(precision, "autocast_dtype", lambda device: torch.bfloat16)
 
 
 def test_the_weights_are_cast_once_and_decoding_casts_none_of_them(bf16_device):

@@ -24,8 +24,7 @@ import yaml
 
 from pipeline.core import tracking
 from pipeline.core.errors import PipelineError
-from pipeline.device.cpu_matmul import has_amx, has_avx512, has_avx512_bf16
-from pipeline.device.peak import cpuinfo
+from pipeline.device.cpu import cpuinfo, has_amx, has_avx512, has_avx512_bf16
 
 STAGES = ("download", "tokenize", "batch", "train", "average", "export", "translate", "evaluate")
 METRICS = {"train": "metrics/train.json", "evaluate": "metrics/eval.json"}  # what a line cannot do without
