@@ -59,6 +59,7 @@ import sentencepiece as spm
 from pipeline.core import checks, cli, config, tracking
 from pipeline.core.config import TranslateConfig
 from pipeline.corpus.rawtext import decode_line
+from pipeline.corpus.subwords import detokenize
 from pipeline.corpus.formats import DECODED_SPLITS, load_spm, load_split, read_meta
 from pipeline.core.files import InputError, atomic_dir, count_lines, write_text
 
@@ -75,11 +76,6 @@ def __getattr__(name: str):
 
         return getattr(decoding, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def detokenize(sp: spm.SentencePieceProcessor, outputs: list[list[int]]) -> list[str]:
-    """Sentencepiece-decode each output; one line each."""
-    return [line.replace("\n", " ") for line in sp.decode(outputs)] if outputs else []
 
 
 Decode = Callable[[list[np.ndarray], bool], list[list[int]]]  # (sources, progress bar) -> output ids per source

@@ -34,6 +34,7 @@ import sentencepiece as spm
 from pipeline.core.config import ParamsError, TranslateConfig
 from pipeline.core.files import InputError
 from pipeline.corpus.formats import EOS_ID
+from pipeline.corpus.subwords import detokenize
 from pipeline.export.seal import verify
 from pipeline.translation.lengths import max_output_len, max_source_len, warn_cut
 
@@ -124,8 +125,8 @@ class Ctranslate2Engine:
         return [np.asarray(r.log_probs, dtype=np.float64) for r in results]
 
     def detokenize(self, outputs: list[list[int]]) -> list[str]:
-        """Sentencepiece-decode each output; one line each (as stages.translate.detokenize)."""
-        return [line.replace("\n", " ") for line in self.sp.decode(outputs)] if outputs else []
+        """Sentencepiece-decode each output; one line each (the project engine's detokenize)."""
+        return detokenize(self.sp, outputs)
 
 
 def default_threads() -> int:

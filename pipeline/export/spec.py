@@ -83,24 +83,20 @@ def build_spec(model: Transformer, pieces: list[str]):
             side.position_encodings.encodings = _array(positions)
         elif hasattr(side, "position_encodings"):  # rotary: nothing is added to the embeddings
             delattr(side, "position_encodings")
-    for layer_spec, layer in zip(encoder.layer, model.encoder):
+    for layer_spec, layer in [*zip(encoder.layer, model.encoder), *zip(decoder.layer, model.decoder)]:
         _linear(layer_spec.self_attention.linear[0], layer.self_attn.w_qkv)
         _linear(layer_spec.self_attention.linear[1], layer.self_attn.w_o)
         _norm(layer_spec.self_attention.layer_norm, layer.norm_1)
+        ffn_norm = layer.norm_2
+        if hasattr(layer, "cross_attn"):  # a decoder layer: its cross-attention, then the feed-forward's norm_3
+            _linear(layer_spec.attention.linear[0], layer.cross_attn.w_q)
+            _linear(layer_spec.attention.linear[1], layer.cross_attn.w_kv)
+            _linear(layer_spec.attention.linear[2], layer.cross_attn.w_o)
+            _norm(layer_spec.attention.layer_norm, layer.norm_2)
+            ffn_norm = layer.norm_3
         _linear(layer_spec.ffn.linear_0, layer.ffn.w_1)
         _linear(layer_spec.ffn.linear_1, layer.ffn.w_2)
-        _norm(layer_spec.ffn.layer_norm, layer.norm_2)
-    for layer_spec, layer in zip(decoder.layer, model.decoder):
-        _linear(layer_spec.self_attention.linear[0], layer.self_attn.w_qkv)
-        _linear(layer_spec.self_attention.linear[1], layer.self_attn.w_o)
-        _norm(layer_spec.self_attention.layer_norm, layer.norm_1)
-        _linear(layer_spec.attention.linear[0], layer.cross_attn.w_q)
-        _linear(layer_spec.attention.linear[1], layer.cross_attn.w_kv)
-        _linear(layer_spec.attention.linear[2], layer.cross_attn.w_o)
-        _norm(layer_spec.attention.layer_norm, layer.norm_2)
-        _linear(layer_spec.ffn.linear_0, layer.ffn.w_1)
-        _linear(layer_spec.ffn.linear_1, layer.ffn.w_2)
-        _norm(layer_spec.ffn.layer_norm, layer.norm_3)
+        _norm(layer_spec.ffn.layer_norm, ffn_norm)
     spec.config.layer_norm_epsilon = LAYER_NORM_EPSILON
     spec.config.unk_token, spec.config.bos_token, spec.config.eos_token = (pieces[i] for i in (UNK_ID, BOS_ID, EOS_ID))
     spec.config.decoder_start_token = pieces[BOS_ID]
