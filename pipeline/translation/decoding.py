@@ -18,6 +18,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from model.beam_search import Hypothesis, beam_search
+from model.flops import DTYPE_NAMES
 from model.transformer import Transformer
 from pipeline.core.config import ParamsError, TranslateConfig
 from pipeline.corpus.formats import BOS_ID, EOS_ID, PAD_ID
@@ -28,7 +29,7 @@ from pipeline.device import precision as training_precision
 log = logging.getLogger(__name__)
 
 
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # translate.precision, but auto
+PRECISIONS = {name: dtype for dtype, name in DTYPE_NAMES.items()}  # translate.precision's dtypes, but auto
 
 
 def decoding_precision(model: Transformer, setting: str = "auto") -> torch.dtype:
