@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 
 def export(args, cfg: ExportConfig, translate: TranslateConfig) -> dict:
     """Write and check the export (see the module docstring); its metrics."""
-    from pipeline.export.engine import computed_type
+    from pipeline.translation.engine import computed_type
 
     try:  # refused here if CTranslate2 would compute another type
         compute_type = computed_type(cfg.quantization)
@@ -48,7 +48,7 @@ def export(args, cfg: ExportConfig, translate: TranslateConfig) -> dict:
 
     from pipeline.corpus.formats import load_split, read_meta
     from pipeline.export.check import compare
-    from pipeline.export.engine import Ctranslate2Engine, default_threads
+    from pipeline.translation.engine import Ctranslate2Engine, default_threads
     from pipeline.export.seal import model_digest
     from pipeline.export.spec import ExportError, write_ctranslate2
     from pipeline.translation.scoring import read_lines

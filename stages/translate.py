@@ -22,7 +22,7 @@ recorded as the MLflow param `decode_precision` and in the log.
 
 Engine: translate.engine (or --engine) ctranslate2 decodes with the export stage's CTranslate2 model (data/export)
 instead, with the same tokenization, source cut, beam size and length limits, and the length penalty mapped
-(pipeline/export/engine.py says how); that path never imports torch. The export is checked first
+(pipeline/translation/engine.py says how); that path never imports torch. The export is checked first
 (pipeline/export/seal.py): every file against its seal, and that it was made from --model's model.pt and with
 --tokenized's tokenizer; translate.precision is the project engine's, refused with this one (the export computes in
 export.quantization's type, recorded as decode_precision). The project engine checks model.pt against its seal.
@@ -64,19 +64,6 @@ from pipeline.corpus.formats import DECODED_SPLITS, load_spm, load_split, read_m
 from pipeline.core.files import InputError, atomic_dir, count_lines, write_text
 
 log = logging.getLogger(__name__)
-
-# The project's decoder (pipeline/translation/decoding.py, with torch), imported where first used: the ctranslate2 engine's
-# --stdin never imports torch (start-up in a fraction of a second).
-_DECODING = ("decoding_precision", "decoding_batches", "parallel_searches", "torch_threads", "translate_ids")
-
-
-def __getattr__(name: str):
-    if name in _DECODING:
-        from pipeline.translation import decoding
-
-        return getattr(decoding, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
 
 Decode = Callable[[list[np.ndarray], bool], list[list[int]]]  # (sources, progress bar) -> output ids per source
 
@@ -160,7 +147,7 @@ def project_decoder(args: argparse.Namespace, cfg: TranslateConfig) -> tuple[Dec
 def ctranslate2_decoder(args: argparse.Namespace, cfg: TranslateConfig
                         ) -> tuple[Decode, spm.SentencePieceProcessor, str]:
     """The export stage's CTranslate2 model (data/export), without torch: (decode, sentencepiece, precision)."""
-    from pipeline.export.engine import Ctranslate2Engine, default_threads
+    from pipeline.translation.engine import Ctranslate2Engine, default_threads
 
     # checked first: the export's seal, and that it is the export of --model with --tokenized's tokenizer
     engine = Ctranslate2Engine(args.export, default_threads(), args.model / "model.pt", args.tokenized / "spm.model")

@@ -5,7 +5,7 @@
 
 The same averaged model, the same sources (the split's encoded lines, the first N with --sentences) and the
 preset's `translate` params (beam 4 and its length limits; the length penalty mapped for CTranslate2 as
-pipeline/export/engine.py says). The model is exported twice into a temporary directory (quantization none and
+pipeline/translation/engine.py says). The model is exported twice into a temporary directory (quantization none and
 int8, as the export stage writes it); then each round decodes the sources with the project's decoder
 (pipeline/translation/decoding.py, as the translate stage runs it), CTranslate2 float32 and CTranslate2 int8, in turn, so that
 load from other programs hits all three alike. Each engine's best round is reported as sentences/s and as a ratio to
@@ -37,7 +37,7 @@ from pipeline.device import cpu
 from pipeline.corpus.formats import load_spm, load_split, read_meta
 from pipeline.corpus.subwords import detokenize
 from pipeline.translation.decoding import translate_ids
-from pipeline.export.engine import Ctranslate2Engine
+from pipeline.translation.engine import Ctranslate2Engine
 from pipeline.export.spec import write_ctranslate2
 from pipeline.translation.scoring import read_lines
 from pipeline.weights.checkpoint import load_model

@@ -22,7 +22,7 @@ from model.transformer import Transformer
 from pipeline.core.config import TranslateConfig
 from pipeline.corpus.formats import BOS_ID, EOS_ID, PAD_ID
 from pipeline.translation.decoding import translate_ids
-from pipeline.export.engine import Ctranslate2Engine
+from pipeline.translation.engine import Ctranslate2Engine
 from pipeline.translation.lengths import max_source_len
 
 MAX_TOKENS = 4000  # source tokens a batch, both engines (the default's translate.max_tokens; not read from params, so

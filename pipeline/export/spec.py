@@ -32,7 +32,7 @@ import torch
 from model.transformer import Transformer
 from pipeline.core.errors import PipelineError
 from pipeline.corpus.formats import BOS_ID, EOS_ID, UNK_ID, load_spm
-from pipeline.export.engine import SPM_NAME
+from pipeline.translation.engine import SPM_NAME
 from pipeline.export.seal import seal
 
 LAYER_NORM_EPSILON = 1e-5  # torch.nn.LayerNorm's

@@ -1,4 +1,4 @@
-"""stages.translate.decoding_precision: translate.precision, the weights cast once (auto: fp32 on every device).
+"""pipeline.translation.decoding.decoding_precision: translate.precision, the weights cast once (auto: fp32 on every device).
 
 A GPU with bf16 is pretended on the CPU (precision.autocast_dtype patched): CPUs run bf16 kernels too, so the
 cast and the decoding in it are exercised here; the stage's own CPU run stays fp32 (tests/translation/test_translate.py).
@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from model.beam_search import beam_search
 from pipeline.core.config import ParamsError, TranslateConfig, parse
 from pipeline.device import precision
-from stages import translate
+from pipeline.translation import decoding
 from tests.fixtures.beam import BOS, EOS, V, sources, tiny_model
 
 
@@ -38,7 +38,7 @@ def bf16_device(monkeypatch):
 
 def test_the_weights_are_cast_once_and_decoding_casts_none_of_them(bf16_device):
     model = tiny_model()
-    assert translate.decoding_precision(model, "bf16") == torch.bfloat16
+    assert decoding.decoding_precision(model, "bf16") == torch.bfloat16
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert {b.dtype for b in model.buffers()} == {torch.bfloat16}  # the positional encoding too
     weights = LinearWeights(model.parameters())
@@ -55,11 +55,11 @@ def test_the_weights_are_cast_once_and_decoding_casts_none_of_them(bf16_device):
 
 def test_bf16_decoding_gives_valid_translations_within_each_length_limit(bf16_device):
     model = tiny_model(seed=4)
-    translate.decoding_precision(model, "bf16")
+    decoding.decoding_precision(model, "bf16")
     cfg = TranslateConfig(beam_size=4, length_penalty=0.6, max_len_a=1.0, max_len_b=5, max_tokens=200)
     g = np.random.default_rng(0)
     srcs = [g.integers(4, V, size=n) for n in (3, 7, 1, 12, 5)]
-    outputs = translate.translate_ids(model, srcs, cfg, progress=False)
+    outputs = decoding.translate_ids(model, srcs, cfg, progress=False)
     assert len(outputs) == len(srcs) and any(outputs)
     for src, out in zip(srcs, outputs):
         assert len(out) + 1 <= cfg.max_len_a * (len(src) + 1) + cfg.max_len_b  # EOS counted, source with EOS
@@ -69,16 +69,16 @@ def test_bf16_decoding_gives_valid_translations_within_each_length_limit(bf16_de
 def test_a_cpu_decodes_in_fp32_leaving_the_model_as_it_is():
     model = tiny_model()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    assert translate.decoding_precision(model) == torch.float32
+    assert decoding.decoding_precision(model) == torch.float32
     assert all(torch.equal(v, before[k]) and v.dtype == torch.float32 for k, v in model.state_dict().items())
 
 
 def test_auto_decodes_in_fp32_where_training_runs_bf16_and_a_setting_forces_another(bf16_device):
     """bf16 weights decoded slower than fp32 on the GPU measured: auto keeps fp32; fp16 or bf16 only when asked."""
     model = tiny_model()
-    assert translate.decoding_precision(model, "auto") == torch.float32
+    assert decoding.decoding_precision(model, "auto") == torch.float32
     assert {p.dtype for p in model.parameters()} == {torch.float32}
-    assert translate.decoding_precision(tiny_model(), "fp16") == torch.float16
+    assert decoding.decoding_precision(tiny_model(), "fp16") == torch.float16
     with pytest.raises(ParamsError, match=r"translate\.precision"):
         parse({"translate": {"beam_size": 4, "length_penalty": 0.6, "max_len_a": 1.0, "max_len_b": 5,
                              "max_tokens": 200, "precision": "int8"}}, "translate", TranslateConfig)

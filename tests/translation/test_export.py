@@ -18,10 +18,11 @@ from pipeline.core.config import ExportConfig, ParamsError, TranslateConfig, loa
 from pipeline.corpus.formats import load_spm
 from pipeline.export import spec
 from pipeline.export.check import compare, project_log_probs
-from pipeline.export.engine import Ctranslate2Engine, mapped_length_penalty
+from pipeline.translation.engine import Ctranslate2Engine, mapped_length_penalty
 from pipeline.export.spec import ExportError, write_ctranslate2
 from pipeline.weights.checkpoint import load_model
 from stages import export as export_stage
+from pipeline.translation import decoding
 from stages import translate
 from tests.fixtures.export import trained_model
 from tests.fixtures.translation import TEST_EN, TRANSLATE, make_corpus, sentence_pairs
@@ -187,7 +188,7 @@ def test_translate_with_the_ctranslate2_engine_matches_the_project_and_its_stdin
     assert result.returncode == 0, result.stderr[-2000:]
     imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
     assert "ctranslate2" in imported and not any(m == "torch" or m.startswith("torch.") for m in imported)
-    expected = translate.detokenize(load_spm(tokenized, 60), translate.translate_ids(
+    expected = translate.detokenize(load_spm(tokenized, 60), decoding.translate_ids(
         load_model(model_dir, torch.device("cpu")), [np.asarray(x) for x in load_spm(tokenized, 60).encode(lines)],
         TranslateConfig(**greedy), progress=False))
     assert result.stdout.splitlines() == expected

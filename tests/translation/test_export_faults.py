@@ -17,7 +17,7 @@ import yaml
 from pipeline.core import cli, config
 from pipeline.core.config import ParamsError
 from pipeline.export import spec
-from pipeline.export.engine import computed_type
+from pipeline.translation.engine import computed_type
 from stages import export as export_stage
 from stages import translate
 from tests.fixtures.export import trained_model
@@ -198,7 +198,7 @@ def test_contradicting_params_are_refused_before_any_stage_runs(tmp_path, params
 def test_the_ctranslate2_engine_warns_of_cut_sources(made, tmp_path, caplog):
     root, model, tokenized, params = made
     from pipeline.core.config import TranslateConfig
-    from pipeline.export.engine import Ctranslate2Engine
+    from pipeline.translation.engine import Ctranslate2Engine
 
     engine = Ctranslate2Engine(root / "export", 1, model / "model.pt", tokenized / "spm.model")
     cfg = TranslateConfig(**{**GREEDY, "max_len_b": 8})

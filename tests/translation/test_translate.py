@@ -15,6 +15,7 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
+from pipeline.translation import decoding
 from stages import translate
 from pipeline.core.config import TranslateConfig
 from pipeline.core.files import InputError
@@ -39,7 +40,7 @@ def setup(tmp_path_factory):
 def one_at_a_time(model_dir: Path, tokenized: Path, sources: list[np.ndarray]) -> list[str]:
     model = load_model(model_dir, torch.device("cpu"))
     sp = load_spm(tokenized, model.embedding.num_embeddings)
-    return [translate.detokenize(sp, translate.translate_ids(model, [s], CFG, progress=False))[0] for s in sources]
+    return [translate.detokenize(sp, decoding.translate_ids(model, [s], CFG, progress=False))[0] for s in sources]
 
 
 def run_main(tmp_path: Path, setup) -> Path:
@@ -52,7 +53,7 @@ def run_main(tmp_path: Path, setup) -> Path:
 
 def test_batches_hold_at_most_max_tokens_and_cover_every_sentence():
     lengths = np.array([3, 9, 1, 4, 4, 12, 2, 7])
-    batches = translate.decoding_batches(lengths, max_tokens=12, max_sentences=3)
+    batches = decoding.decoding_batches(lengths, max_tokens=12, max_sentences=3)
     assert sorted(np.concatenate(batches).tolist()) == list(range(8))
     for batch in batches:
         assert len(batch) <= 3 and len(batch) * lengths[batch].max() <= 12
@@ -60,17 +61,17 @@ def test_batches_hold_at_most_max_tokens_and_cover_every_sentence():
 
 
 def test_a_sentence_longer_than_max_tokens_gets_a_batch_of_its_own():
-    assert [b.tolist() for b in translate.decoding_batches(np.array([2, 50, 3]), 10, 8)] == [[1], [2, 0]]
+    assert [b.tolist() for b in decoding.decoding_batches(np.array([2, 50, 3]), 10, 8)] == [[1], [2, 0]]
 
 
 def test_parallel_searches_split_every_batch_so_each_thread_gets_an_equal_share():
     batches = [np.arange(0, 4), np.arange(4, 9), np.arange(9, 10)]
-    parts, workers, threads = translate.parallel_searches(batches, threads=2, cuda=False)
+    parts, workers, threads = decoding.parallel_searches(batches, threads=2, cuda=False)
     assert (workers, threads) == (2, 1)
     assert [p.tolist() for p in parts] == [[0, 1], [2, 3], [4, 5, 6], [7, 8], [9]]
-    assert translate.parallel_searches(batches, threads=1, cuda=False) == (batches, 1, 1)
-    assert translate.parallel_searches(batches, threads=2, cuda=True) == (batches, 1, 2)
-    assert translate.parallel_searches([np.arange(1)], threads=4, cuda=False)[1:] == (1, 4)  # one sentence
+    assert decoding.parallel_searches(batches, threads=1, cuda=False) == (batches, 1, 1)
+    assert decoding.parallel_searches(batches, threads=2, cuda=True) == (batches, 1, 2)
+    assert decoding.parallel_searches([np.arange(1)], threads=4, cuda=False)[1:] == (1, 4)  # one sentence
 
 
 def test_translations_do_not_depend_on_the_number_of_threads(setup):
@@ -80,8 +81,8 @@ def test_translations_do_not_depend_on_the_number_of_threads(setup):
     sources = [encoded[i] for i in range(len(encoded))]
     outputs = []
     for threads in (1, 2, 3):
-        with translate.torch_threads(threads):
-            outputs.append(translate.translate_ids(model, sources, CFG, progress=False))
+        with decoding.torch_threads(threads):
+            outputs.append(decoding.translate_ids(model, sources, CFG, progress=False))
     assert outputs[0] == outputs[1] == outputs[2]
 
 
@@ -113,8 +114,8 @@ def test_a_translation_batch_matches_translating_sentences_alone(setup):
     model = load_model(model_dir, torch.device("cpu"))
     encoded = load_split(tokenized, "test", "en")
     sources = [encoded[i] for i in range(len(encoded))]
-    batched = translate.translate_ids(model, sources, TranslateConfig(**{**TRANSLATE, "max_tokens": 1000}), False)
-    assert batched == [translate.translate_ids(model, [s], CFG, progress=False)[0] for s in sources]
+    batched = decoding.translate_ids(model, sources, TranslateConfig(**{**TRANSLATE, "max_tokens": 1000}), False)
+    assert batched == [decoding.translate_ids(model, [s], CFG, progress=False)[0] for s in sources]
 
 
 def test_an_encoded_split_that_no_longer_matches_the_raw_file_is_refused(tmp_path, setup):
