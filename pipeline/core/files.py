@@ -160,6 +160,8 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
             shutil.rmtree(old, ignore_errors=True)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OutputError) and str(tmp) in str(e):  # a file written inside: named where it was going
+            raise OutputError(e.errno, str(e).replace(str(tmp), str(path))) from e
         if (error := _as_output_error(e, path, tmp)) is e:
             raise
         raise error from e
