@@ -59,7 +59,7 @@ import sentencepiece as spm
 from pipeline.core import checks, cli, config, tracking
 from pipeline.core.config import TranslateConfig
 from pipeline.corpus.rawtext import decode_line
-from pipeline.corpus.subwords import detokenize
+from pipeline.corpus.formats import detokenize
 from pipeline.corpus.formats import DECODED_SPLITS, load_spm, load_split, read_meta
 from pipeline.core.files import InputError, atomic_dir, count_lines, write_text
 

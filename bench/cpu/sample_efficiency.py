@@ -44,7 +44,7 @@ from pipeline.training.loader import TrainingData
 from pipeline.core.tracking import StageRun
 from pipeline.training.trainer import Trainer
 from pipeline.translation.scoring import multi30k_bleu, read_lines, score
-from pipeline.corpus.subwords import detokenize
+from pipeline.corpus.formats import detokenize
 from pipeline.translation.decoding import translate_ids
 
 

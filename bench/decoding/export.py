@@ -35,7 +35,7 @@ from bench.harness import alternate
 from pipeline.core.config import TranslateConfig, compose, parse
 from pipeline.device import cpu
 from pipeline.corpus.formats import load_spm, load_split, read_meta
-from pipeline.corpus.subwords import detokenize
+from pipeline.corpus.formats import detokenize
 from pipeline.translation.decoding import translate_ids
 from pipeline.translation.engine import Ctranslate2Engine
 from pipeline.export.spec import write_ctranslate2

@@ -27,7 +27,7 @@ from pipeline.translation.scoring import multi30k_bleu, read_lines, score
 from pipeline.weights.checkpoint import load_model
 from model.flops import DTYPE_NAMES
 from pipeline.device import precision as training_precision
-from pipeline.corpus.subwords import detokenize
+from pipeline.corpus.formats import detokenize
 
 DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}  # --dtype
 

@@ -48,7 +48,7 @@ from pipeline.weights.checkpoint import load_model
 from pipeline.core.config import TranslateConfig, compose, parse
 from pipeline.corpus.formats import load_spm, load_split, read_meta
 from pipeline.translation.scoring import printed, read_lines
-from pipeline.corpus.subwords import detokenize
+from pipeline.corpus.formats import detokenize
 
 log = logging.getLogger("bench.decoding.search")
 

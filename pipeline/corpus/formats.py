@@ -96,6 +96,11 @@ def load_spm(directory: str | Path, vocab_size: int) -> spm.SentencePieceProcess
     return sp
 
 
+def detokenize(sp: spm.SentencePieceProcessor, outputs: list[list[int]]) -> list[str]:
+    """Sentencepiece-decode each output of a decoder (either engine): one line each."""
+    return [line.replace("\n", " ") for line in sp.decode(outputs)] if outputs else []
+
+
 def batch_paths(directory: str | Path, split: str) -> tuple[Path, Path]:
     directory = Path(directory)
     return directory / f"{split}.index.npy", directory / f"{split}.bounds.npy"

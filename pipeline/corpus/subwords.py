@@ -91,11 +91,6 @@ def encode(sp: spm.SentencePieceProcessor, lines: list[str]) -> tuple[np.ndarray
     return ids, lengths
 
 
-def detokenize(sp: spm.SentencePieceProcessor, outputs: list[list[int]]) -> list[str]:
-    """Sentencepiece-decode each output of a decoder: one line each."""
-    return [line.replace("\n", " ") for line in sp.decode(outputs)] if outputs else []
-
-
 def drop_reasons(src_len: np.ndarray, tgt_len: np.ndarray, max_len: int, max_len_ratio: float) -> np.ndarray:
     """Per pair: 0 = keep, else 1 + the index in DROP_REASONS of the first reason that applies.
 

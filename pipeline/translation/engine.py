@@ -34,7 +34,7 @@ import sentencepiece as spm
 from pipeline.core.config import ParamsError, TranslateConfig
 from pipeline.core.files import InputError
 from pipeline.corpus.formats import EOS_ID
-from pipeline.corpus.subwords import detokenize
+from pipeline.corpus.formats import detokenize
 from pipeline.export.seal import verify
 from pipeline.translation.lengths import max_output_len, max_source_len, warn_cut
 
