@@ -168,7 +168,11 @@ def _any_seed(line: dict) -> str:
 
 def levers(lines: list[dict]) -> str:
     rows = []
-    for (lever, where), tried in _groups(lines, lambda l: l["baseline"] is not None).items():
+    tried_by: dict[tuple[str, str, str], list[dict]] = {}
+    for line in lines:  # a lever tried against two baselines is two rows
+        if line["baseline"] is not None:
+            tried_by.setdefault((line["recipe"], line["baseline"], machine(line)), []).append(line)
+    for (lever, _, where), tried in tried_by.items():
         changes, ratios = [], []
         for run in sorted(tried, key=lambda r: r["seed"]):
             base = [b for b in lines if b["recipe"] == run["baseline"] and b["seed"] == run["seed"]
