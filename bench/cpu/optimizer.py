@@ -30,11 +30,10 @@ import dataclasses
 import numpy as np
 import torch
 
-from bench.harness import VOCAB, alternate, default_configs, learnable_batches, our_step, under_autocast
+from bench.harness import VOCAB, alternate, learnable_batches, on_this_cpu, our_step, under_autocast
 from model.schedule import lrate
 from model.transformer import Transformer
-from pipeline.device import attention, distributed
-from pipeline.device.precision import resolve
+from pipeline.device import distributed
 from pipeline.training.loader import Batch
 
 OPTIMIZERS = ("adam", "muon")
@@ -56,11 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--target", type=float, default=None, help="training loss to reach (default: Adam's last)")
     parser.add_argument("--threads", type=int, default=distributed.available_cores())
     args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    cfg, train_cfg = default_configs(args.overrides)
-    precision = resolve(train_cfg.cpu_matmul, torch.device("cpu"))
-    precision.use()
-    attention.use(torch.device("cpu"))
+    cfg, train_cfg, precision = on_this_cpu(args.overrides, args.threads)
     batches = learnable_batches(train_cfg.tokens_per_step, args.steps)
     print(f"model {cfg}, vocab {VOCAB}, steps of <= {train_cfg.tokens_per_step} padded tokens "
           f"({sum(b.tokens for b in batches) / len(batches):.0f} real target tokens on average), warmup "

@@ -4,6 +4,7 @@ gpu.py, steps.py, kernels.py, reference.py, the GPU benches' setting and lines).
 
     seconds = alternate({"ours": run_a, "theirs": run_b}, rounds=3)   # each way once a round, in turn
     model_cfg, train_cfg = default_configs(["train.rdrop_alpha=5"])  # conf/ composed, as dvc exp run -S takes it
+    model_cfg, train_cfg, precision = on_this_cpu([], threads=2)     # the same, its precision and threads in use
     *_, batches = synthetic_batches(1250, 12)                        # Multi30k-like batches, collated on the CPU
     batches = learnable_batches(1250, 300)                           # the same lengths, targets a function of sources
     step = under_autocast(our_step(Transformer(model_cfg, VOCAB), train_cfg), precision)
@@ -25,8 +26,8 @@ from pipeline.core import config
 from pipeline.core.config import TrainConfig
 from pipeline.corpus.batching import make_batches
 from pipeline.corpus.formats import Ragged
-from pipeline.device import distributed
-from pipeline.device.precision import Precision
+from pipeline.device import attention, distributed
+from pipeline.device.precision import Precision, resolve
 from pipeline.training.loader import Batch, collate
 from pipeline.training.optimizer import build_optimizer, train_step
 
@@ -75,6 +76,17 @@ def default_configs(overrides: list[str] | tuple[str, ...] = ()) -> tuple[ModelC
     """The default preset's model and train sections (conf/ composed with `overrides`, none by default)."""
     params = config.compose(list(overrides))
     return config.parse(params, "model", ModelConfig), config.parse(params, "train", TrainConfig)
+
+
+def on_this_cpu(overrides: list[str], threads: int) -> tuple[ModelConfig, TrainConfig, Precision]:
+    """The default's configs (default_configs) on `threads` threads, in the precision its train.cpu_matmul resolves
+    to on this CPU, with the attention kernels that go with it, as the train stage sets them."""
+    torch.set_num_threads(threads)
+    model_cfg, train_cfg = default_configs(overrides)
+    precision = resolve(train_cfg.cpu_matmul, torch.device("cpu"))
+    precision.use()
+    attention.use(torch.device("cpu"))
+    return model_cfg, train_cfg, precision
 
 
 def synthetic_batches(max_tokens: int, count: int, vocab: int = VOCAB) -> tuple[Ragged, Ragged, list, np.ndarray,
