@@ -8,6 +8,7 @@ import logging
 
 import pytest
 import torch
+from mlflow.tracking import MlflowClient
 
 from model.config import ModelConfig
 from model.transformer import Transformer
@@ -87,6 +88,10 @@ def test_a_tiny_muon_run_learns_the_synthetic_language(tmp_path):
     # from about ln 24 (uniform over the vocabulary) to 2.0 (Adam: 2.9, stalled from step 30 on, in this setting)
     assert losses[-1] < 0.7 * losses[0] and losses[-1] < min(losses[:-1]), losses
     assert last_checkpoint(tmp_path)["optimizer_name"] == "muon"
+    client = MlflowClient()  # the run's params say which optimizer trained it, and Muon's keys
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert {k: run.data.params[f"train.{k}"] for k in ("optimizer", "muon_lr_factor", "muon_ns_steps")} == \
+        {"optimizer": "muon", "muon_lr_factor": "1.0", "muon_ns_steps": "5"}
 
 
 def test_a_muon_run_resumes_its_momentum_exactly(tmp_path):
