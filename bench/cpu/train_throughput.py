@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from bench.harness import (MAX_TOKENS, VOCAB, alternate, default_configs, our_step, over, synthetic_batches,
+from bench.harness import (MAX_TOKENS, VOCAB, alternate, on_this_cpu, our_step, over, synthetic_batches,
                            under_autocast)
 from model import flops as flops_lib
 from model.config import ModelConfig
@@ -53,11 +53,11 @@ from model.loss import SmoothedLoss
 from model.positions import sinusoidal_encoding
 from model.transformer import Transformer
 from pipeline.core import config
-from pipeline.device import attention, distributed
+from pipeline.device import distributed
 from pipeline.corpus.formats import PAD_ID
 from pipeline.training.loader import Batch
 from pipeline.training.optimizer import build_optimizer, train_step
-from pipeline.device.precision import Precision, resolve
+from pipeline.device.precision import Precision
 from pipeline.corpus.batching import make_batches
 
 
@@ -105,11 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=distributed.available_cores())
     args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    cfg, train_cfg = default_configs(args.overrides)
-    precision = resolve(train_cfg.cpu_matmul, torch.device("cpu"))
-    precision.use()
-    attention.use(torch.device("cpu"))
+    cfg, train_cfg, precision = on_this_cpu(args.overrides, args.threads)
     print(f"model {cfg}, vocab {VOCAB}, batch.max_tokens {MAX_TOKENS}, {torch.get_num_threads()} threads, "
           f"{precision.label} (train.cpu_matmul = {train_cfg.cpu_matmul}) for both")
 

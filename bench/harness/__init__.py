@@ -4,7 +4,9 @@ gpu.py, steps.py, kernels.py, reference.py, the GPU benches' setting and lines).
 
     seconds = alternate({"ours": run_a, "theirs": run_b}, rounds=3)   # each way once a round, in turn
     model_cfg, train_cfg = default_configs(["train.rdrop_alpha=5"])  # conf/ composed, as dvc exp run -S takes it
+    model_cfg, train_cfg, precision = on_this_cpu([], threads=2)     # the same, its precision and threads in use
     *_, batches = synthetic_batches(1250, 12)                        # Multi30k-like batches, collated on the CPU
+    batches = learnable_batches(1250, 300)                           # the same lengths, targets a function of sources
     step = under_autocast(our_step(Transformer(model_cfg, VOCAB), train_cfg), precision)
 """
 
@@ -24,8 +26,8 @@ from pipeline.core import config
 from pipeline.core.config import TrainConfig
 from pipeline.corpus.batching import make_batches
 from pipeline.corpus.formats import Ragged
-from pipeline.device import distributed
-from pipeline.device.precision import Precision
+from pipeline.device import attention, distributed
+from pipeline.device.precision import Precision, resolve
 from pipeline.training.loader import Batch, collate
 from pipeline.training.optimizer import build_optimizer, train_step
 
@@ -54,10 +56,37 @@ def synthetic_corpus(pairs: int, seed: int = 0, vocab: int = VOCAB, mean: float 
     return out[0], out[1]
 
 
+def learnable_batches(max_tokens: int, count: int, vocab: int = VOCAB, seed: int = 0) -> list[Batch]:
+    """`count` training batches (epochs in a seeded order) of a synthetic language a model can learn, unlike
+    synthetic_corpus's unrelated sides: each target is its source reversed, every id mapped through one fixed
+    random permutation of the vocabulary; sources of Multi30k-like lengths, collated on the CPU."""
+    src, _ = synthetic_corpus(29000, seed=seed, vocab=vocab)
+    rng = np.random.default_rng(seed + 1)
+    table = np.arange(vocab)
+    table[4:] = 4 + rng.permutation(vocab - 4)  # the ids past PAD, UNK, BOS and EOS
+    row = np.repeat(np.arange(len(src)), src.lengths)  # each token's sentence
+    reversed_at = src.offsets[row + 1] - 1 - (np.arange(len(src.values)) - src.offsets[row])
+    tgt = Ragged(table[src.values[reversed_at]].astype(src.values.dtype), src.offsets)
+    batches = make_batches(src.lengths + 1, tgt.lengths + 1, max_tokens, seed=seed)
+    order = np.concatenate([rng.permutation(len(batches)) for _ in range(-(-count // len(batches)))])[:count]
+    return [collate(src, tgt, batches[b], torch.device("cpu")) for b in order]
+
+
 def default_configs(overrides: list[str] | tuple[str, ...] = ()) -> tuple[ModelConfig, TrainConfig]:
     """The default preset's model and train sections (conf/ composed with `overrides`, none by default)."""
     params = config.compose(list(overrides))
     return config.parse(params, "model", ModelConfig), config.parse(params, "train", TrainConfig)
+
+
+def on_this_cpu(overrides: list[str], threads: int) -> tuple[ModelConfig, TrainConfig, Precision]:
+    """The default's configs (default_configs) on `threads` threads, in the precision its train.cpu_matmul resolves
+    to on this CPU, with the attention kernels that go with it, as the train stage sets them."""
+    torch.set_num_threads(threads)
+    model_cfg, train_cfg = default_configs(overrides)
+    precision = resolve(train_cfg.cpu_matmul, torch.device("cpu"))
+    precision.use()
+    attention.use(torch.device("cpu"))
+    return model_cfg, train_cfg, precision
 
 
 def synthetic_batches(max_tokens: int, count: int, vocab: int = VOCAB) -> tuple[Ragged, Ragged, list, np.ndarray,
@@ -70,21 +99,22 @@ def synthetic_batches(max_tokens: int, count: int, vocab: int = VOCAB) -> tuple[
     return src, tgt, batches, order, [collate(src, tgt, batches[b], torch.device("cpu")) for b in order]
 
 
-def our_step(model: Transformer, train_cfg: TrainConfig, lr: float = 1e-4) -> Callable[[Batch], None]:
-    """One training step of `model` as the train stage runs it on a CPU (chunked loss, fused Adam, fp32; R-Drop
-    as train_cfg sets it)."""
+def our_step(model: Transformer, train_cfg: TrainConfig, lr: float = 1e-4) -> Callable[..., torch.Tensor]:
+    """One training step of `model` as the train stage runs it on a CPU (chunked loss, train.optimizer: fused Adam
+    in the presets, fp32; R-Drop as train_cfg sets it): step(batch) at `lr`, or step(batch, lr); the summed loss."""
     loss_model = SmoothedLoss(model, train_cfg.label_smoothing, chunked=True, rdrop_alpha=train_cfg.rdrop_alpha,
                               rdrop_fraction=train_cfg.rdrop_fraction)
     optimizer = build_optimizer(model, train_cfg)
     ctx, scaler = distributed.Dist(0, 1, 0, torch.device("cpu")), torch.amp.GradScaler("cpu", enabled=False)
-    return lambda b: train_step(loss_model, optimizer, [(b, True)], b.tokens, lr, ctx, contextlib.nullcontext(), scaler)
+    return lambda b, at=lr: train_step(loss_model, optimizer, [(b, True)], b.tokens, at, ctx, contextlib.nullcontext(),
+                                       scaler)
 
 
-def under_autocast(step: Callable[[Batch], None], precision: Precision) -> Callable[[Batch], None]:
-    """`step` run in the `precision`'s autocast (none for fp32), as the trainer runs it."""
-    def run(batch: Batch) -> None:
+def under_autocast(step: Callable[..., object], precision: Precision) -> Callable[..., object]:
+    """`step` run in the `precision`'s autocast (none for fp32), as the trainer runs it; what it returns."""
+    def run(*args: object) -> object:
         with precision.autocast():
-            step(batch)
+            return step(*args)
     return run
 
 

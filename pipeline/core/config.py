@@ -162,6 +162,13 @@ class TrainConfig:
     micro_batch_tokens: int = field(default=0, metadata={"range": "[0, inf)"})
     # decoupled weight decay (AdamW) of the weight matrices and embeddings; 0 = none, the paper's Adam
     weight_decay: float = field(default=0.0, metadata={"range": "[0, inf)"})
+    # adam: the paper's, every parameter; muon: Muon for the layers' weight matrices, Adam for the rest
+    # (pipeline/training/optimizer.py MuonAdam); the muon_* keys are Muon's and change nothing under adam
+    optimizer: str = field(default="adam", metadata={"choices": ("adam", "muon")})
+    muon_lr_factor: float = field(default=1.0, metadata={"range": "(0, inf)"})  # multiplies the schedule for Muon
+    muon_momentum: float = field(default=0.95, metadata={"range": "[0, 1)"})
+    muon_nesterov: bool = field(default=True, metadata={})
+    muon_ns_steps: int = field(default=5, metadata={"range": "[1, 99]"})  # Newton-Schulz iterations (torch: < 100)
     # R-Drop's alpha (model/rdrop.py): each pair through the model twice, the two passes' distributions held
     # together by a KL term; 0 = none, the paper's loss. Twice the training FLOPs a step
     rdrop_alpha: float = field(default=0.0, metadata={"range": "[0, inf)"})

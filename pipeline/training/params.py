@@ -28,6 +28,7 @@ from pipeline.weights import checkpoint as ckpt
 # cpu_matmul: the setting as written; what it resolves to on this machine (the Precision's key) is hashed instead.
 # ddp_bucket_mb, ddp_static_graph: how DDP groups and schedules the same all-reduce (grad_compression rounds: hashed,
 # but as none on one process: hashed_train).
+# The muon_* keys are hashed with train.optimizer = muon only (hashed_train): Adam never reads them.
 NOT_WEIGHT_SHAPING = ("max_steps", "max_minutes", "eval_every", "log_every", "checkpoint_every", "keep_checkpoints",
                       "devices", "timeout_minutes", "compile", "compile_scope", "compile_recompile_limit",
                       "compile_on_limit", "cuda_graphs", "micro_batch_tokens", "cpu_matmul",
@@ -35,9 +36,11 @@ NOT_WEIGHT_SHAPING = ("max_steps", "max_minutes", "eval_every", "log_every", "ch
 
 
 def hashed_train(train_cfg: TrainConfig, world: int | None = None) -> dict:
-    """The train params params_hash holds: less NOT_WEIGHT_SHAPING, and grad_compression as none on a `world` of
-    one process (no all-reduce to round: the setting changes no arithmetic, so it does not discard a run there)."""
-    train = {k: v for k, v in asdict(train_cfg).items() if k not in NOT_WEIGHT_SHAPING}
+    """The train params params_hash holds: less NOT_WEIGHT_SHAPING, less the muon_* keys under Adam, and
+    grad_compression as none on a `world` of one process (no all-reduce to round: the setting changes no
+    arithmetic, so it does not discard a run there)."""
+    train = {k: v for k, v in asdict(train_cfg).items() if k not in NOT_WEIGHT_SHAPING
+             and not (k.startswith("muon_") and train_cfg.optimizer == "adam")}
     if world == 1:
         train["grad_compression"] = "none"
     return train

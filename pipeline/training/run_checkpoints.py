@@ -9,7 +9,7 @@ checkpoint_every steps and at the end, never by the clock, so the checkpoints
 average takes are the same on any hardware; on start the newest complete checkpoint
 with the same params_hash (pipeline/training/params.py) and made by the same code
 (pipeline/weights/fingerprint.py: every project file train imports) is resumed
-exactly (weights, Adam, RNGs, data position, counters): an interrupted run ends
+exactly (weights, the optimizer's state, RNGs, data position, counters): an interrupted run ends
 with the same weights as an uninterrupted one. A checkpoint of other code is set
 aside like one of other params, unless RESUME_ACROSS_CODE_CHANGE=1: then it is
 resumed and the crossing recorded (metrics code_changes, code_changed_at_step,
@@ -57,7 +57,8 @@ class RunCheckpoints:
         found, refused = None, ""
         if self.ctx.is_main:
             try:
-                found = ckpt.resume_point(self.checkpoints, self.phash, self.code, across, self.precision.key)
+                found = ckpt.resume_point(self.checkpoints, self.phash, self.code, across, self.precision.key,
+                                          self.cfg.optimizer)
                 found = self.newer_preempted(found)
             except ckpt.OtherPrecision as e:
                 refused = self.other_precision(e)
@@ -133,7 +134,7 @@ class RunCheckpoints:
                 "model_config": asdict(self.model_cfg), "vocab_size": self.data.vocab_size,
                 "params_hash": self.phash, "code": self.code, "code_hash": self.code_hash,
                 "precision": {"key": self.precision.key, "label": self.precision.label},
-                "optimizer": self.optimizer.state_dict(), "rng": rngs,
+                "optimizer": self.optimizer.state_dict(), "optimizer_name": self.cfg.optimizer, "rng": rngs,
                 **({"scaler": self.scaler.state_dict()} if self.scaler.is_enabled() else {}),
                 "data_position": {"epoch": p.epoch, "cursor": p.cursor}, "elapsed_seconds": p.elapsed_seconds,
                 "train_tokens": p.train_tokens, "progress": asdict(p),

@@ -8,7 +8,7 @@
     save_sealed(path, payload)                            # write, then seal (the average stage's model.pt too)
     load_averaged(model_dir) -> dict                      # the average stage's model.pt, checked against its seal
     load_model(model_dir, device) -> Transformer          # the same, ready to translate
-    resume_point(directory, params_hash, code) -> Resume | None   # what a restarted run continues from
+    resume_point(directory, params_hash, code, ...) -> Resume | None  # what a restarted run continues from
     fingerprint(obj, files) -> str                        # sha256 of a JSON-able object and files
     capture_rng() -> dict / restore_rng(state)            # torch (CPU, CUDA), numpy, random
 
@@ -230,13 +230,16 @@ def newest_complete(directory: Path) -> tuple[Path, dict] | None:
 
 
 def resume_point(directory: str | Path, params_hash: str, code: dict[str, str],
-                 across_code_change: bool = False, precision: str | None = None) -> Resume | None:
+                 across_code_change: bool = False, precision: str | None = None,
+                 optimizer: str | None = None) -> Resume | None:
     """The newest complete checkpoint if it has `params_hash` and was made by the same `code`
     (pipeline/weights/fingerprint.py); else set every checkpoint aside and return None.
 
     A checkpoint that records another `precision` (the key the trainer's device resolved,
     which params_hash holds too) raises OtherPrecision and moves nothing: a run is not thrown
-    away because it met a machine that computes otherwise.
+    away because it met a machine that computes otherwise. One trained with another `optimizer`
+    (train.optimizer, which params_hash holds) is set aside as one of other params is, the line
+    naming both optimizers: Adam's moments are not Muon's momentum.
 
     Checkpoints of other code are resumed only with `across_code_change`, and then
     Resume.code_changed names the files that differ. Unsealed or corrupt files
@@ -259,7 +262,11 @@ def resume_point(directory: str | Path, params_hash: str, code: dict[str, str],
         theirs = payload.get("precision") or {}
         if precision is not None and theirs.get("key", precision) != precision:
             raise OtherPrecision(newest, theirs["key"], theirs.get("label", theirs["key"]))
-        if payload.get("params_hash") != params_hash:
+        trained_with = payload.get("optimizer_name", "adam")  # a checkpoint without it predates Muon
+        if optimizer is not None and trained_with != optimizer:
+            why = (f"params changed ({newest.name} was trained with train.optimizer = {trained_with}, and this run "
+                   f"asks for {optimizer}: one optimizer's state cannot resume the other)")
+        elif payload.get("params_hash") != params_hash:
             why = f"params changed (params_hash of {newest.name} differs)"
         elif changed and not across_code_change:
             why = (f"code changed since {newest.name} ({', '.join(changed)} differ{'s' if len(changed) == 1 else ''}; "

@@ -9,7 +9,7 @@ import torch
 
 from pipeline.corpus import steps
 from pipeline.corpus.batching import make_batches, padding_stats
-from pipeline.core.config import TrainConfig, compose, parse
+from pipeline.core.config import CONF_DIR, TrainConfig, compose, parse
 from pipeline.device.distributed import Dist
 from pipeline.training.records import Progress
 from pipeline.training.trainer import Trainer
@@ -31,7 +31,8 @@ PAPER = {
     "wmt14_en_fr_big": paper(16, 1024, 0.1, 300_000, 20, "fr", dict(vocab_size=32000)),
 }
 COMMON = {
-    "train": dict(adam_beta1=0.9, adam_beta2=0.98, adam_eps=1e-9, weight_decay=0.0, lr_factor=1.0, max_minutes=0.0),
+    "train": dict(optimizer="adam", adam_beta1=0.9, adam_beta2=0.98, adam_eps=1e-9, weight_decay=0.0, lr_factor=1.0,
+                  max_minutes=0.0),
     "translate": dict(beam_size=4, length_penalty=0.6, max_len_a=1.0, max_len_b=50),
     "model": dict(positional_encoding="sinusoidal"),
 }
@@ -44,6 +45,13 @@ def test_paper_preset_holds_the_papers_values(experiment):
         for section, values in table.items():
             for key, value in values.items():
                 assert params[section][key] == value, f"{experiment}: {section}.{key}"
+
+
+def test_every_preset_trains_with_adam():
+    """Muon (train.optimizer = muon) is a lever to measure, never a preset's: the paper's Adam, Sec. 5.3."""
+    presets = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
+    assert len(presets) >= 7 and {e: compose([f"experiment={e}"])["train"]["optimizer"] for e in presets} == \
+        dict.fromkeys(presets, "adam")
 
 
 @pytest.mark.parametrize("experiment", sorted(PAPER))
