@@ -24,10 +24,11 @@ run: install
 	dvc repro
 
 # Two workers (pytest-xdist) share the cores: half the suite waits on processes, servers and files, not the CPU.
-# A test file stays on one worker (--dist loadfile), so a module's pipeline fixture runs once.
+# A test file stays on one worker (--dist loadfile), so a module's pipeline fixture runs once; the files holding a
+# slow test go first, in the order tests/conftest.py gives them (--no-loadscope-reorder).
 TEST_WORKERS ?= 2
 test: install
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --ignore=tests/cluster
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --ignore=tests/cluster
 
 # The pipeline through sbatch on a one-host SLURM cluster (tests/cluster): installs Debian's slurm-wlm and munge
 # when missing (apt-get, as root); the tests skip, saying why, where they cannot be installed

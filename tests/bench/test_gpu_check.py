@@ -161,6 +161,7 @@ def tokens_per_s(line: str) -> float:
     return float(line.split(" target tokens/s")[0].split(": ")[1].replace(",", ""))
 
 
+@pytest.mark.slow
 def test_gpu_check_prints_the_reference_then_each_mode_on_its_own_corpus_then_decoding(monkeypatch, capsys, tmp_path):
     """--tiny (hidden): the same code with a small model on the CPU, so the GPU run meets no untried line."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

@@ -32,6 +32,7 @@ def test_without_cuda_it_says_so_and_times_nothing(monkeypatch, capsys):
         "gpu-graphs: no CUDA GPU on this machine (torch.cuda.is_available() is False); nothing to time"]
 
 
+@pytest.mark.slow
 def test_each_mode_trains_the_same_batches_in_the_same_windows(monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setenv(compiled.BACKEND_ENV, "eager")  # dynamo without AOT autograd: the fastest compile there is

@@ -134,6 +134,7 @@ def test_a_dimension_of_1_costs_one_graph_per_layer_class_once_and_trains_as_eag
     torch.testing.assert_close(got, model(src, tgt_in), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_a_compiled_run_writes_eager_checkpoints_resumes_and_switching_compile_does_not_restart(tmp_path, caplog):
     caplog.set_level(logging.INFO)
     write_corpus(tmp_path)

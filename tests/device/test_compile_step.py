@@ -135,6 +135,7 @@ def test_rdrop_with_the_whole_step_compiled_is_refused_in_one_line(tmp_path):
     assert not (tmp_path / "checkpoints").exists()
 
 
+@pytest.mark.slow
 def test_a_resumed_run_loads_the_compiled_graphs_from_the_cache_beside_the_checkpoints(tmp_path):
     """Inductor for real (a C++ build: ~20 s for this one-layer model on 2 cores): the first run builds the whole
     step's graphs and keeps them in compile_cache/ beside the checkpoints (not torch's default directory, which
@@ -171,6 +172,7 @@ def test_the_compile_cache_goes_beside_the_checkpoints_unless_the_user_chose_one
     assert compiled.keep_cache(tmp_path / "compile_cache") == str(tmp_path / "mine")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("static_graph", [False, True], ids=["dynamic graph", "static graph"])
 def test_two_processes_with_the_whole_step_compiled_update_like_one_eager_process(tmp_path, static_graph):
     """DDP compiled whole (dynamo splits the graph at DDP's buckets) against one eager process taking the same

@@ -93,6 +93,7 @@ def meet_late(rank: int, port: int, late_s: float) -> None:
     distributed.teardown(ctx)
 
 
+@pytest.mark.slow
 def test_ranks_wait_for_a_slow_rank_0_at_the_start_longer_than_the_collective_timeout():
     torch.multiprocessing.spawn(meet_late, args=(free_port(), 6.0), nprocs=2)  # raises if a process failed
 
@@ -176,6 +177,7 @@ def test_the_params_hash_counts_the_batches_of_a_step_not_the_processes(tmp_path
 # --- several nodes ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_two_nodes_of_one_process_update_like_one_process_accumulating_two(tmp_path, store):
     two, one = tmp_path / "two", tmp_path / "one"
     for root in (two, one):
@@ -197,6 +199,7 @@ def test_two_nodes_of_one_process_update_like_one_process_accumulating_two(tmp_p
     assert all(len(a) == len(b) == 1 and a != b for a, b in zip(*ranks)), ranks
 
 
+@pytest.mark.slow
 def test_a_checkpoint_resumes_on_another_world_size_at_the_same_step_lr_and_data(tmp_path, caplog, monkeypatch,
                                                                                  store):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
@@ -230,6 +233,7 @@ def test_a_checkpoint_resumes_on_another_world_size_at_the_same_step_lr_and_data
             (ref["steps"], ref["epochs"], ref["train_tokens"])  # the same data position, the same batches
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lost", [signal.SIGSTOP, signal.SIGKILL], ids=["frozen", "killed"])
 def test_a_lost_node_stops_the_other_within_the_timeout_and_a_restart_resumes(tmp_path, monkeypatch, store, lost):
     """Node 1 frozen (SIGSTOP: no process exits, no socket closes) or killed (SIGKILL: its sockets close) right
@@ -273,6 +277,7 @@ def test_a_lost_node_stops_the_other_within_the_timeout_and_a_restart_resumes(tm
     assert max_difference(final_weights(root), final_weights(reference)) <= TOLERANCE
 
 
+@pytest.mark.slow
 def test_nodes_with_different_params_or_data_both_stop_naming_the_odd_rank(tmp_path, store):
     roots = (tmp_path / "a", tmp_path / "b")
     for root, smoothing in zip(roots, (0.1, 0.2)):

@@ -137,6 +137,7 @@ def test_a_bad_train_param_is_the_only_line_the_train_command_prints(tmp_path, d
     assert out.stderr == "train: error: params.yaml: train.max_minutes: expected float, got str 'abc'\n"
 
 
+@pytest.mark.slow
 def test_a_failure_inside_one_of_two_training_processes_ends_with_its_message(tmp_path):
     """A checkpoint only rank 0 reads is broken: rank 1 crashes on the lost connection; the last line is rank 0's."""
     training_setup(tmp_path, devices=2, max_steps=4)
@@ -151,6 +152,7 @@ def test_a_failure_inside_one_of_two_training_processes_ends_with_its_message(tm
     assert "ChildFailedError" not in out.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("devices", [1, 2])
 def test_ctrl_c_while_training_says_where_it_stopped_and_how_to_resume(tmp_path, devices):
     training_setup(tmp_path, devices=devices, max_steps=1_000_000, checkpoint_every=20, eval_every=0, log_every=50)

@@ -241,6 +241,7 @@ with tracking.stage_run("average", argparse.Namespace(params=Path(sys.argv[1])))
 """
 
 
+@pytest.mark.slow
 def test_stages_that_start_together_on_a_new_store_all_get_their_runs(tmp_path):
     """Queued experiments (`tools.seeds --run -j 3`) start their first stages at once: each used to create the new
     sqlite store's tables (and the experiment) itself; the losers warned and ran untracked."""

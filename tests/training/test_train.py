@@ -291,6 +291,7 @@ def test_two_runs_of_the_same_params_give_identical_weights(tmp_path):
     assert all(torch.equal(finals[0][k], finals[1][k]) for k in finals[0])
 
 
+@pytest.mark.slow
 def test_libgomps_wait_settings_leave_the_weights_unchanged(tmp_path):
     """dvc.yaml runs training with GOMP_SPINCOUNT set (docs/benchmarks.md, "Training on a busy CPU"): how idle threads wait, never the result."""
     finals = []
@@ -330,6 +331,7 @@ def test_checkpoints_fall_on_the_same_steps_whatever_the_machines_speed(tmp_path
         "step_00000003.pt", "step_00000006.pt", "step_00000007.pt"]
 
 
+@pytest.mark.slow
 def test_resume_after_sigkill_ends_with_the_same_weights(tmp_path):
     steps = 30
     full, killed = tmp_path / "full", tmp_path / "killed"
@@ -405,6 +407,7 @@ def test_a_corrupt_newest_checkpoint_is_skipped_and_the_previous_one_resumed(tmp
 # --- several processes ----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_two_processes_update_like_one_process_with_the_same_global_batch(tmp_path):
     """A step of one stored batch: two processes take every other row of it (row parts), one process takes it in
     micro-batches of at most 12 padded tokens (train.micro_batch_tokens): the same update."""
@@ -429,6 +432,7 @@ def test_two_processes_update_like_one_process_with_the_same_global_batch(tmp_pa
 
 @pytest.mark.parametrize("ddp", [{"ddp_static_graph": True, "ddp_bucket_mb": 0.01}, {"grad_compression": "fp16"}],
                          ids=["static-graph-small-buckets", "fp16-all-reduce"])
+@pytest.mark.slow
 def test_two_processes_under_ddps_settings_update_like_one_process(tmp_path, ddp):
     """train.ddp_static_graph with micro-batches (its first step syncs each one) and 10 KiB buckets: the one
     process's update, and its params_hash; train.grad_compression = fp16: the all-reduce rounded to fp16, so
@@ -461,6 +465,7 @@ def test_bf16_gradient_compression_without_a_cuda_gpu_is_one_clear_line(tmp_path
     assert not (tmp_path / "checkpoints").exists()
 
 
+@pytest.mark.slow
 def test_eight_processes_share_every_batch_once_agree_and_only_rank_0_writes(tmp_path):
     write_corpus(tmp_path, n_train=60)  # 15 batches: the epoch ends inside the second step of 8
     params = write_params(tmp_path / "params.yaml", devices=8, tokens_per_step=8 * 24, max_steps=3,
