@@ -35,10 +35,9 @@ def _new_store(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(autouse=True)
-def _private_tracking_store(tmp_path, monkeypatch, _new_store):
-    """Each test gets its own sqlite MLflow store (tmp_path/store/mlflow.db, a new one) unless it sets another."""
-    db = tmp_path / "store" / "mlflow.db"
-    db.parent.mkdir()
+def _private_tracking_store(tmp_path_factory, monkeypatch, _new_store):
+    """Each test gets its own sqlite MLflow store (a new one, beside its tmp_path) unless it sets another."""
+    db = tmp_path_factory.mktemp("store") / "mlflow.db"
     shutil.copyfile(_new_store, db)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{db}")
     monkeypatch.setenv("PATH", f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}")

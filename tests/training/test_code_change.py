@@ -28,7 +28,8 @@ SEMANTIC_EDITS = {  # a change to what training computes, in each part of it: fi
     "model/loss.py": ("eps, chunk = label_smoothing, chunk or", "eps, chunk = label_smoothing / 2, chunk or"),
     "model/transformer.py": ("self.embedding(tokens) * math.sqrt(self.d_model)",
                              "self.embedding(tokens) * 0.5 * math.sqrt(self.d_model)"),
-    "pipeline/training/optimizer.py": ('group["lr"] = lr\n', 'group["lr"] = lr * 0.5\n'),
+    "pipeline/training/optimizer.py": ('group["lr"] = lr * group.get("lr_scale", 1.0)\n',
+                                       'group["lr"] = lr * 0.5 * group.get("lr_scale", 1.0)\n'),
 }
 
 
