@@ -1,6 +1,7 @@
 """Muon against Adam (train.optimizer): the step's cost and the steps to a training loss, as ratios of one run.
 
     python -m bench.cpu.optimizer [OVERRIDE ...] [--steps 300] [--chunk 10] [--window 20] [--target LOSS] [--threads N]
+                                  [--data DIR]
 
 The default model (conf/ composed with the OVERRIDEs, as `dvc exp run -S` takes them, e.g. train.warmup_steps=100;
 with none, the `small` preset and its schedule) with an 8000-token vocabulary, trained twice from the same
@@ -10,7 +11,8 @@ AdamW for the rest; train.muon_* as composed). Each step is the train stage's (p
 .train_step, the lr of the schedule, model/schedule.py), one batch of at most train.tokens_per_step padded tokens
 (the default's step) of bench.harness.learnable_batches: Multi30k-like lengths, each target its source reversed
 through a fixed permutation of the vocabulary, a language the model can learn (random targets teach nothing past
-their unigram distribution).
+their unigram distribution). With `--data DIR` (a pipeline's data/, after `dvc repro batch`): the batch stage's
+train batches of that corpus instead, the first --steps of them in one shuffled order (seed 0), and its vocabulary.
 
 The two runs alternate (bench.harness.alternate), `--chunk` steps of one then of the other, so that load from other
 programs hits both alike. Reported, from that one run:
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -34,7 +37,7 @@ from bench.harness import VOCAB, alternate, learnable_batches, on_this_cpu, our_
 from model.schedule import lrate
 from model.transformer import Transformer
 from pipeline.device import distributed
-from pipeline.training.loader import Batch
+from pipeline.training.loader import Batch, TrainingData
 
 OPTIMIZERS = ("adam", "muon")
 
@@ -46,6 +49,15 @@ def first_step_at(losses: list[float], target: float, window: int) -> int | None
     return int(reached[0]) + window if len(reached) else None
 
 
+def stored_batches(data: Path, count: int) -> tuple[list[Batch], int]:
+    """The first `count` of the batch stage's train batches under data/ in one shuffled order, and the vocabulary."""
+    corpus = TrainingData.load(data / "tokenized", data / "batches")
+    order = np.random.default_rng(0).permutation(len(corpus.train_batches))[:count]
+    if len(order) < count:
+        raise SystemExit(f"{data / 'batches'}: {len(order)} train batches, fewer than --steps {count}")
+    return [corpus.collate_train(corpus.train_batches[b], torch.device("cpu")) for b in order], corpus.vocab_size
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("overrides", nargs="*", metavar="OVERRIDE", help="Hydra overrides of conf/")
@@ -54,10 +66,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--window", type=int, default=20, help="steps the training loss is averaged over")
     parser.add_argument("--target", type=float, default=None, help="training loss to reach (default: Adam's last)")
     parser.add_argument("--threads", type=int, default=distributed.available_cores())
+    parser.add_argument("--data", type=Path, default=None, help="a pipeline's data/ (tokenized/, batches/): its batches")
     args = parser.parse_args(argv)
     cfg, train_cfg, precision = on_this_cpu(args.overrides, args.threads)
-    batches = learnable_batches(train_cfg.tokens_per_step, args.steps)
-    print(f"model {cfg}, vocab {VOCAB}, steps of <= {train_cfg.tokens_per_step} padded tokens "
+    batches, vocab = (stored_batches(args.data, args.steps) if args.data else
+                      (learnable_batches(train_cfg.tokens_per_step, args.steps), VOCAB))
+    print(f"{args.data or 'learnable batches'}: model {cfg}, vocab {vocab}, steps of <= {train_cfg.tokens_per_step} padded tokens "
           f"({sum(b.tokens for b in batches) / len(batches):.0f} real target tokens on average), warmup "
           f"{train_cfg.warmup_steps}, lr_factor {train_cfg.lr_factor:g}, weight_decay {train_cfg.weight_decay:g}, "
           f"{torch.get_num_threads()} threads, {precision.label}; muon: lr_factor {train_cfg.muon_lr_factor:g}, momentum "
@@ -67,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def trains(name: str):
         torch.manual_seed(0)  # the same initial weights for both
-        model = Transformer(cfg, VOCAB)
+        model = Transformer(cfg, vocab)
         step = under_autocast(our_step(model, dataclasses.replace(train_cfg, optimizer=name)), precision)
 
         def chunk(r: int) -> None:
