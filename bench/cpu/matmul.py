@@ -42,13 +42,13 @@ import numpy as np
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from bench.harness import alternate, default_configs, our_step, synthetic_corpus
+from bench.harness import alternate, default_configs, our_step, stored_epoch, synthetic_corpus
 from model.transformer import Transformer
 from pipeline.core import config
 from pipeline.core.errors import PipelineError
 from pipeline.corpus.batching import make_batches
 from pipeline.device import attention, cpu, cpu_matmul, distributed
-from pipeline.training.loader import Batch, TrainingData, collate
+from pipeline.training.loader import Batch, collate
 from pipeline.device.precision import of_choice
 
 CPU = torch.device("cpu")
@@ -83,9 +83,7 @@ def stream(vocab: int, max_tokens: int, stored: tuple[Path, Path] | None = None,
         order = np.random.default_rng(seed).permutation(len(batches))
         epoch = [collate(src, tgt, batches[i], CPU) for i in order]
     else:
-        data = TrainingData.load(*stored)
-        vocab, order = data.vocab_size, np.random.default_rng(seed).permutation(len(data.train_batches))
-        epoch = [data.collate_train(data.train_batches[i], CPU) for i in order]
+        vocab, epoch = stored_epoch(*stored, seed=seed)
     first: dict[tuple[int, ...], Batch] = {}
     for b in epoch:
         first.setdefault(shape(b), b)

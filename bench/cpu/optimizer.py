@@ -33,11 +33,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.harness import VOCAB, alternate, learnable_batches, on_this_cpu, our_step, under_autocast
+from bench.harness import VOCAB, alternate, learnable_batches, on_this_cpu, our_step, stored_epoch, under_autocast
 from model.schedule import lrate
 from model.transformer import Transformer
 from pipeline.device import distributed
-from pipeline.training.loader import Batch, TrainingData
+from pipeline.training.loader import Batch
 
 OPTIMIZERS = ("adam", "muon")
 
@@ -51,11 +51,10 @@ def first_step_at(losses: list[float], target: float, window: int) -> int | None
 
 def stored_batches(data: Path, count: int) -> tuple[list[Batch], int]:
     """The first `count` of the batch stage's train batches under data/ in one shuffled order, and the vocabulary."""
-    corpus = TrainingData.load(data / "tokenized", data / "batches")
-    order = np.random.default_rng(0).permutation(len(corpus.train_batches))[:count]
-    if len(order) < count:
-        raise SystemExit(f"{data / 'batches'}: {len(order)} train batches, fewer than --steps {count}")
-    return [corpus.collate_train(corpus.train_batches[b], torch.device("cpu")) for b in order], corpus.vocab_size
+    vocab, epoch = stored_epoch(data / "tokenized", data / "batches")
+    if len(epoch) < count:
+        raise SystemExit(f"{data / 'batches'}: {len(epoch)} train batches, fewer than --steps {count}")
+    return epoch[:count], vocab
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -28,7 +28,7 @@ from pipeline.corpus.batching import make_batches
 from pipeline.corpus.formats import Ragged
 from pipeline.device import attention, distributed
 from pipeline.device.precision import Precision, resolve
-from pipeline.training.loader import Batch, collate
+from pipeline.training.loader import Batch, TrainingData, collate
 from pipeline.training.optimizer import build_optimizer, train_step
 
 VOCAB = 8000
@@ -54,6 +54,13 @@ def synthetic_corpus(pairs: int, seed: int = 0, vocab: int = VOCAB, mean: float 
         offsets = np.concatenate([[0], np.cumsum(lengths)])
         out.append(Ragged(rng.integers(4, vocab, size=int(offsets[-1])).astype(np.uint16), offsets))
     return out[0], out[1]
+
+
+def stored_epoch(tokenized, batches, seed: int = 0) -> tuple[int, list[Batch]]:
+    """(vocabulary, every train batch the batch stage stored, in one seeded order, on the CPU)."""
+    data = TrainingData.load(tokenized, batches)
+    order = np.random.default_rng(seed).permutation(len(data.train_batches))
+    return data.vocab_size, [data.collate_train(data.train_batches[i], torch.device("cpu")) for i in order]
 
 
 def learnable_batches(max_tokens: int, count: int, vocab: int = VOCAB, seed: int = 0) -> list[Batch]:
