@@ -67,3 +67,21 @@ def test_metrics_changed_after_the_run_are_refused_in_one_line_and_nothing_appen
     assert ended.value.code == 2 and not out.exists()
     (message,) = capsys.readouterr().err.strip().splitlines()
     assert message.startswith("results: error: ") and "eval.json: md5" in message and "dvc.lock" in message
+
+
+def test_what_the_run_itself_wrote_leaves_the_tree_clean(tmp_path):
+    repo = tmp_path / "run"
+    finished_run.make(repo)
+    (repo / "dvc.yaml").write_text("stages:\n  train:\n    cmd: python -m stages.train\n    plots:\n"
+                                   "      - plots/train.csv:\n          x: step\n    outs:\n      - data/model\n")
+    finished_run.git(repo, "add", "dvc.yaml")
+    finished_run.git(repo, "commit", "-qm", "dvc.yaml")
+    with open(repo / "dvc.lock", "a") as f:
+        f.write("# rewritten by the run\n")
+    (repo / "plots").mkdir()
+    (repo / "plots" / "train.csv").write_text("step,loss\n")
+    uri = f"sqlite:///{tmp_path / 'none.db'}"
+    assert record.line(repo, command="make run", recipe="the default", uri=uri, cpu_text=ZEN)["clean"] is True
+    (repo / "data").mkdir()
+    (repo / "data" / "notes.txt").write_text("not an out")
+    assert record.line(repo, command="make run", recipe="the default", uri=uri, cpu_text=ZEN)["clean"] is False

@@ -75,14 +75,31 @@ def sealed_metrics(repo: Path) -> tuple[dict, dict, dict]:
     return found["train"], found["evaluate"], found["export"]
 
 
+def run_outputs(repo: Path) -> set[str]:
+    """What `dvc repro` itself writes in the tree: dvc.lock and every out, metrics file and plot dvc.yaml names."""
+    try:
+        stages = (yaml.safe_load((repo / "dvc.yaml").read_text(encoding="utf-8")) or {}).get("stages") or {}
+    except FileNotFoundError:
+        stages = {}
+    paths = {"dvc.lock"}
+    for stage in stages.values():
+        for kind in ("outs", "metrics", "plots"):
+            paths |= {next(iter(e)) if isinstance(e, dict) else str(e) for e in (stage.get(kind) or [])}
+    return {p.rstrip("/") for p in paths}
+
+
 def git(repo: Path) -> tuple[str, bool]:
-    """The commit checked out in `repo` and whether its tree is clean (no change, tracked or not, but ignored)."""
+    """The commit checked out in `repo` and whether its tree is clean: no change, tracked or not (but ignored), other
+    than what the run itself wrote (run_outputs)."""
     def out(*args: str) -> str:
         done = subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, timeout=60)
         if done.returncode:
             raise PipelineError(f"{repo}: not a git repository with a commit ({done.stderr.strip()}); {MEND}")
         return done.stdout
-    return out("rev-parse", "HEAD").strip(), not out("status", "--porcelain").strip()
+    written = run_outputs(repo)
+    changed = [line[3:] for line in out("status", "--porcelain", "--untracked-files=all").splitlines() if line.strip()]
+    others = [p for p in changed if not any(p == w or p.startswith(w + "/") for w in written)]
+    return out("rev-parse", "HEAD").strip(), not others
 
 
 def machine(environ: dict, text: str | None = None) -> tuple[dict, str | None]:
