@@ -6,7 +6,7 @@ A line (one run), every key present, None where the run's records have no such f
     sitting        runs made one after the other (or side by side) on one machine share it; time ratios are
                    taken only within one sitting. None: a run timed alone
     date           YYYY-MM-DD the run ended
-    commit, clean  the commit of the code that ran, and whether its tree had no uncommitted change but what the run wrote
+    commit, clean  the commit of the code that ran, and whether its tree had no change but what the run wrote
     command        what ran it (`make run`, `dvc repro`, `dvc exp run -S ...`), with its environment
     preset         the experiment preset; recipe: what was run, as the tables name it ("the default", a
                    preset, a lever); baseline: for a lever, the recipe it is measured against (seed by seed)
