@@ -65,16 +65,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--window", type=int, default=20, help="steps the training loss is averaged over")
     parser.add_argument("--target", type=float, default=None, help="training loss to reach (default: Adam's last)")
     parser.add_argument("--threads", type=int, default=distributed.available_cores())
-    parser.add_argument("--data", type=Path, default=None, help="a pipeline's data/ (tokenized/, batches/): its batches")
+    parser.add_argument("--data", type=Path, default=None,
+                        help="a pipeline's data/ (tokenized/, batches/): its batches")
     args = parser.parse_args(argv)
     cfg, train_cfg, precision = on_this_cpu(args.overrides, args.threads)
     batches, vocab = (stored_batches(args.data, args.steps) if args.data else
                       (learnable_batches(train_cfg.tokens_per_step, args.steps), VOCAB))
-    print(f"{args.data or 'learnable batches'}: model {cfg}, vocab {vocab}, steps of <= {train_cfg.tokens_per_step} padded tokens "
-          f"({sum(b.tokens for b in batches) / len(batches):.0f} real target tokens on average), warmup "
+    print(f"{args.data or 'learnable batches'}: model {cfg}, vocab {vocab}, steps of <= {train_cfg.tokens_per_step} "
+          f"padded tokens ({sum(b.tokens for b in batches) / len(batches):.0f} real target tokens on average), warmup "
           f"{train_cfg.warmup_steps}, lr_factor {train_cfg.lr_factor:g}, weight_decay {train_cfg.weight_decay:g}, "
-          f"{torch.get_num_threads()} threads, {precision.label}; muon: lr_factor {train_cfg.muon_lr_factor:g}, momentum "
-          f"{train_cfg.muon_momentum:g}, nesterov {train_cfg.muon_nesterov}, ns_steps {train_cfg.muon_ns_steps}")
+          f"{torch.get_num_threads()} threads, {precision.label}; muon: lr_factor {train_cfg.muon_lr_factor:g}, "
+          f"momentum {train_cfg.muon_momentum:g}, nesterov {train_cfg.muon_nesterov}, ns_steps {train_cfg.muon_ns_steps}")
 
     losses: dict[str, list[float]] = {name: [] for name in OPTIMIZERS}
 
