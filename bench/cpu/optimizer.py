@@ -75,7 +75,8 @@ def main(argv: list[str] | None = None) -> None:
           f"padded tokens ({sum(b.tokens for b in batches) / len(batches):.0f} real target tokens on average), warmup "
           f"{train_cfg.warmup_steps}, lr_factor {train_cfg.lr_factor:g}, weight_decay {train_cfg.weight_decay:g}, "
           f"{torch.get_num_threads()} threads, {precision.label}; muon: lr_factor {train_cfg.muon_lr_factor:g}, "
-          f"momentum {train_cfg.muon_momentum:g}, nesterov {train_cfg.muon_nesterov}, ns_steps {train_cfg.muon_ns_steps}")
+          f"momentum {train_cfg.muon_momentum:g}, nesterov {train_cfg.muon_nesterov}, "
+          f"ns_steps {train_cfg.muon_ns_steps}")
 
     losses: dict[str, list[float]] = {name: [] for name in OPTIMIZERS}
 
