@@ -6,6 +6,7 @@ import runpy
 import sys
 
 import pytest
+import yaml
 
 from pipeline.core.errors import PipelineError
 from tests.fixtures import finished_run
@@ -85,3 +86,16 @@ def test_what_the_run_itself_wrote_leaves_the_tree_clean(tmp_path):
     (repo / "data").mkdir()
     (repo / "data" / "notes.txt").write_text("not an out")
     assert record.line(repo, command="make run", recipe="the default", uri=uri, cpu_text=ZEN)["clean"] is False
+
+
+def test_a_seed_set_in_params_yaml_leaves_the_tree_clean_and_any_other_change_does_not(tmp_path):
+    repo = tmp_path / "run"
+    finished_run.make(repo)
+    uri = f"sqlite:///{tmp_path / 'none.db'}"
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    params["train"]["seed"] = params["batch"]["seed"] = 3  # as tools.seeds sets them
+    (repo / "params.yaml").write_text(yaml.safe_dump(params))
+    assert record.line(repo, command="dvc repro", recipe="the default", uri=uri, cpu_text=ZEN)["clean"] is True
+    params["tokenize"]["seed"] = 3
+    (repo / "params.yaml").write_text(yaml.safe_dump(params))
+    assert record.line(repo, command="dvc repro", recipe="the default", uri=uri, cpu_text=ZEN)["clean"] is False

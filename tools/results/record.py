@@ -88,9 +88,24 @@ def run_outputs(repo: Path) -> set[str]:
     return {p.rstrip("/") for p in paths}
 
 
+def only_seeded(repo: Path, committed: str) -> bool:
+    """Whether the tree's params.yaml is the committed one (`committed`, its text) but for train.seed and batch.seed,
+    as `python -m tools.seeds` or `--compose params.yaml train.seed=N batch.seed=N` set them for a seed of a recipe."""
+    try:
+        now, then = (yaml.safe_load(text) for text in ((repo / "params.yaml").read_text(encoding="utf-8"), committed))
+    except (OSError, yaml.YAMLError):
+        return False
+    if not (isinstance(now, dict) and isinstance(then, dict)):
+        return False
+    for section in ("train", "batch"):
+        if isinstance(now.get(section), dict) and isinstance(then.get(section), dict):
+            then[section] = {**then[section], "seed": now[section].get("seed")}
+    return now == then
+
+
 def git(repo: Path) -> tuple[str, bool]:
     """The commit checked out in `repo` and whether its tree is clean: no change, tracked or not (but ignored), other
-    than what the run itself wrote (run_outputs)."""
+    than what the run itself wrote (run_outputs) and the seeds in params.yaml (only_seeded)."""
     def out(*args: str) -> str:
         done = subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, timeout=60)
         if done.returncode:
@@ -99,6 +114,9 @@ def git(repo: Path) -> tuple[str, bool]:
     written = run_outputs(repo)
     changed = [line[3:] for line in out("status", "--porcelain", "--untracked-files=all").splitlines() if line.strip()]
     others = [p for p in changed if not any(p == w or p.startswith(w + "/") for w in written)]
+    if others == ["params.yaml"]:
+        shown = subprocess.run(["git", "show", "HEAD:params.yaml"], cwd=repo, capture_output=True, text=True, timeout=60)
+        others = [] if shown.returncode == 0 and only_seeded(repo, shown.stdout) else others
     return out("rev-parse", "HEAD").strip(), not others
 
 
