@@ -108,7 +108,7 @@ def sealed_steps(root: Path) -> list[int]:
 
 def lose_node_1(root: Path, nodes: list[subprocess.Popen], lost: signal.Signals, after: int) -> tuple[float, int]:
     """Once a checkpoint past step `after` is sealed, node 1's agent and workers get `lost` (SIGSTOP: frozen,
-    SIGKILL: gone) while node 0 goes on; node 0's exit code and the seconds it took to exit. Node 1 ends killed."""
+    SIGKILL: gone) while node 0 goes on; the seconds node 0 took to exit, and its exit code. Node 1 ends killed."""
     deadline = time.monotonic() + 300
     while not sealed_steps(root) or sealed_steps(root)[-1] <= after:
         if any(p.poll() is not None for p in nodes) or time.monotonic() > deadline:
