@@ -18,7 +18,7 @@ Per stage it prints the wall time of `dvc repro <stage>` (dvc's own start
 included), the CPU time of every process it ran, and the peak memory: the
 highest sum, over every process of the stage (dvc, python, torchrun's agent and
 its workers), of each one's PSS (shared pages split among the processes that
-share them, so 8 workers' torch libraries count once), sampled every 0.25 s,
+share them, so 8 workers' torch libraries count once), sampled every 0.25 s (--sample-every),
 and the largest single process's RSS. Then 1 process trains the same steps on
 the same data/batches with train.devices=1 (8 micro-batches accumulated, on one
 thread as each of the 8 processes) and the last line compares its weights with
@@ -98,7 +98,7 @@ SMALL = Plan(
         ("train.checkpoint_every=1", "preset 1389: scaled with the steps, so that average.last_n = 5 takes 5"),
         *FULL.overrides[4:],
     ],
-    lines={"train": 1000, "valid": 20, "test": 40},
+    lines={"train": 1000, "valid": 10, "test": 20},
     words=20000,
 )
 
@@ -146,8 +146,9 @@ class Usage:
                 f"(largest process {self.peak_rss_kib / gib:5.2f} GiB, {self.most_processes} processes)")
 
 
-def measured(cmd: list[str], cwd: Path, env: dict[str, str], log: Path) -> tuple[int, Usage]:
-    """Run `cmd` (output to `log`), sampling its process tree's memory; its exit code and usage."""
+def measured(cmd: list[str], cwd: Path, env: dict[str, str], log: Path, every: float = SAMPLE_S) -> tuple[int, Usage]:
+    """Run `cmd` (output to `log`), sampling its process tree's memory every `every` seconds (each sample reads
+    every process's smaps_rollup: milliseconds of CPU a process); its exit code and usage."""
     usage, before = Usage(), resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.monotonic()
     with open(log, "w") as out:
@@ -155,7 +156,7 @@ def measured(cmd: list[str], cwd: Path, env: dict[str, str], log: Path) -> tuple
         done = threading.Event()
 
         def sample() -> None:
-            while not done.wait(SAMPLE_S):
+            while not done.wait(every):
                 pids = process_tree(proc.pid)
                 mem = [memory_kib(p) for p in pids]
                 usage.peak_pss_kib = max(usage.peak_pss_kib, sum(m[0] for m in mem))
@@ -199,11 +200,11 @@ def stage_env(mirror: str, work: Path) -> dict[str, str]:
             "MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "1"}
 
 
-def run_stages(repo: Path, env: dict[str, str], logs: Path) -> Usage:
+def run_stages(repo: Path, env: dict[str, str], logs: Path, every: float) -> Usage:
     """`dvc repro <stage>` for each stage in turn, a line each; the summed usage."""
     total = Usage()
     for stage in STAGES:
-        code, usage = measured(["dvc", "repro", stage], repo, env, logs / f"{stage}.log")
+        code, usage = measured(["dvc", "repro", stage], repo, env, logs / f"{stage}.log", every)
         text = (logs / f"{stage}.log").read_text(errors="replace")
         if code != 0 or f"Running stage '{stage}'" not in text:
             say(text[-4000:])
@@ -218,7 +219,7 @@ def run_stages(repo: Path, env: dict[str, str], logs: Path) -> Usage:
     return total
 
 
-def train_one_process(repo: Path, params: dict, out: Path, env: dict[str, str], logs: Path) -> Usage:
+def train_one_process(repo: Path, params: dict, out: Path, env: dict[str, str], logs: Path, every: float) -> Usage:
     """The train stage with train.devices=1 on the pipeline's data/batches; checkpoints in out/checkpoints.
 
     On one thread (OMP_NUM_THREADS=1), as each of the 8 processes ran (pipeline/device/distributed.py gives each
@@ -231,7 +232,7 @@ def train_one_process(repo: Path, params: dict, out: Path, env: dict[str, str], 
     cmd = [sys.executable, "-m", "stages.train", "--tokenized", "data/tokenized", "--batches", "data/batches",
            "--checkpoints", str(out / "checkpoints"), "--metrics", str(out / "train.json"),
            "--plot", str(out / "train.csv"), "--params", str(out / "params.yaml")]
-    code, usage = measured(cmd, repo, {**env, "OMP_NUM_THREADS": "1"}, logs / "train_1proc.log")
+    code, usage = measured(cmd, repo, {**env, "OMP_NUM_THREADS": "1"}, logs / "train_1proc.log", every)
     if code != 0:
         say((logs / "train_1proc.log").read_text(errors="replace")[-4000:])
         say(f"the 1-process train exited with {code}")
@@ -264,6 +265,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workdir", type=Path, help="keep everything here (default: a temporary directory)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="one more override of the preset, e.g. train.ddp_static_graph=true (repeatable)")
+    parser.add_argument("--sample-every", type=float, default=SAMPLE_S, metavar="SECONDS",
+                        help=f"seconds between memory samples (default {SAMPLE_S}); each sample costs CPU")
     args = parser.parse_args(argv)
     plan = SMALL if args.small else FULL
     plan = replace(plan, overrides=[*plan.overrides, *((o, "asked with --set") for o in args.set)])
@@ -289,14 +292,14 @@ def main(argv: list[str] | None = None) -> None:
             env = stage_env(server.url(), work)
             say(f"model: {params['model']}; tokenize.vocab_size {params['tokenize']['vocab_size']}; train.devices "
                 f"{params['train']['devices']}; CORPUS_MIRROR={server.url()}")
-            total = run_stages(repo, env, logs)
+            total = run_stages(repo, env, logs, args.sample_every)
         say("stage " + total.line("all eight (peak: the largest stage)"))
         averaged = json.loads((repo / "data" / "model" / "averaged.json").read_text())
         scores = json.loads((repo / "metrics" / "eval.json").read_text())
         say(f"average: {len(averaged['checkpoints'])} checkpoints (steps {averaged['steps']}); "
             f"evaluate: BLEU {scores['bleu']} (sacreBLEU), {scores['bleu_tokenized']} (tokenized), "
             f"{sum(1 for _ in (repo / 'data' / 'raw' / 'test.de').open())} test lines")
-        usage = train_one_process(repo, params, work / "one_process", env, logs)
+        usage = train_one_process(repo, params, work / "one_process", env, logs, args.sample_every)
         say("stage " + usage.line("train, 1 process, 1 thread"))
         eight = load_checkpoint(complete_checkpoints(repo / "data" / "checkpoints")[-1])
         one = load_checkpoint(complete_checkpoints(work / "one_process" / "checkpoints")[-1])
