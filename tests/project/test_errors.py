@@ -155,7 +155,7 @@ def test_a_failure_inside_one_of_two_training_processes_ends_with_its_message(tm
 @pytest.mark.slow
 @pytest.mark.parametrize("devices", [1, 2])
 def test_ctrl_c_while_training_says_where_it_stopped_and_how_to_resume(tmp_path, devices):
-    training_setup(tmp_path, devices=devices, max_steps=1_000_000, checkpoint_every=20, eval_every=0, log_every=50)
+    training_setup(tmp_path, devices=devices, max_steps=1_000_000, checkpoint_every=2, eval_every=0, log_every=50)
     with open(tmp_path / "stderr.txt", "w") as err:
         proc = subprocess.Popen(dvc_command("train", tmp_path), cwd=tmp_path, env=stage_env(), stdout=subprocess.DEVNULL,
                                 stderr=err, start_new_session=True, preexec_fn=one_core)

@@ -7,6 +7,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -52,6 +53,12 @@ def evaluate_params(path: Path) -> Path:
     data = yaml.safe_load((ROOT / "params.yaml").read_text())["data"] | {"tgt_lang": "de"}
     path.write_text(yaml.safe_dump({"evaluate": {"tokenize": "13a"}, "data": data}))
     return path
+
+
+def own_store() -> str:
+    """The URI of the test's own sqlite store: a copy of a new one, its tables made (tests/conftest.py), where a new
+    store's migrations would cost seconds in each test."""
+    return os.environ["MLFLOW_TRACKING_URI"]
 
 
 def closed_port() -> int:
@@ -116,8 +123,7 @@ def test_the_store_stays_at_the_repo_root_whatever_params_file_is_passed(tmp_pat
 
 
 def test_a_training_run_is_a_train_child_under_its_pipeline_parent(tmp_path, monkeypatch):
-    uri = f"sqlite:///{tmp_path / 'store.db'}"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    uri = own_store()
     monkeypatch.setenv("DVC_EXP_NAME", "brisk-wren")
     monkeypatch.setenv("DVC_STAGE", "train")  # as `dvc repro` runs it
     monkeypatch.chdir(tmp_path)
@@ -147,8 +153,7 @@ def test_a_training_run_is_a_train_child_under_its_pipeline_parent(tmp_path, mon
 
 
 def test_later_stages_join_the_same_parent_and_a_params_change_opens_another(tmp_path, monkeypatch):
-    uri = f"sqlite:///{tmp_path / 'store.db'}"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    uri = own_store()
     monkeypatch.chdir(tmp_path)
     params = tmp_path / "params.yaml"
     params.write_text(yaml.safe_dump({"data": {"name": "multi30k"}, "average": {"last_n": 5}}))
@@ -177,8 +182,7 @@ def test_later_stages_join_the_same_parent_and_a_params_change_opens_another(tmp
 
 
 def test_a_failing_stage_marks_its_run_failed(tmp_path, monkeypatch):
-    uri = f"sqlite:///{tmp_path / 'store.db'}"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    uri = own_store()
     params = tmp_path / "params.yaml"
     params.write_text(yaml.safe_dump({"average": {"last_n": 5}}))
     with pytest.raises(RuntimeError, match="boom"):
@@ -190,8 +194,7 @@ def test_a_failing_stage_marks_its_run_failed(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("sig, raised", [(signal.SIGTERM, signals.Stopped), (signal.SIGINT, KeyboardInterrupt)])
 def test_a_signal_during_an_mlflow_call_is_raised_after_it_and_the_runs_end_killed(tmp_path, monkeypatch, sig, raised):
-    uri = f"sqlite:///{tmp_path / 'store.db'}"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    uri = own_store()
     monkeypatch.setenv("DVC_STAGE", "average")  # a child of a pipeline run, as `dvc repro` runs it
     monkeypatch.setenv("DVC_ROOT", str(tmp_path))
     params = tmp_path / "params.yaml"
@@ -214,8 +217,7 @@ def test_a_signal_during_an_mlflow_call_is_raised_after_it_and_the_runs_end_kill
 
 def test_an_error_raised_while_handling_ctrl_c_ends_the_runs_killed_not_failed(tmp_path, monkeypatch):
     """A library that turns a KeyboardInterrupt into its own error (torch.save did) still closes the runs KILLED."""
-    uri = f"sqlite:///{tmp_path / 'store.db'}"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    uri = own_store()
     monkeypatch.setenv("DVC_STAGE", "average")
     monkeypatch.setenv("DVC_ROOT", str(tmp_path))
     params = tmp_path / "params.yaml"
@@ -230,33 +232,51 @@ def test_an_error_raised_while_handling_ctrl_c_ends_the_runs_killed_not_failed(t
     assert len(runs) == 2 and {r.info.status for r in runs} == {"KILLED"}
 
 
-OPEN_ONE_RUN = """
-import argparse, sys, time
+OPEN_RUNS_TOGETHER = """
+import argparse, json, os, sys, traceback
 from pathlib import Path
 from pipeline.core import tracking
-while time.time() < float(sys.argv[2]):  # every process opens at the same moment
-    time.sleep(0.001)
-with tracking.stage_run("average", argparse.Namespace(params=Path(sys.argv[1]))) as run:
-    run.log_metrics({"x": 1.0})
+for key, value in tracking.ENV_DEFAULTS.items():  # as tracking._client sets them before it imports mlflow
+    os.environ.setdefault(key, value)
+import dvc.repo, mlflow.tracking, mlflow.store.tracking.sqlalchemy_store  # what opening a run imports, once:
+# the processes below are forks of this one
+go_read, go_write = os.pipe()
+pids = []
+for params in sys.argv[1:]:  # one process a params file
+    pid = os.fork()
+    if pid == 0:
+        os.close(go_write)
+        os.read(go_read, 1)  # every process opens at the same moment
+        status = 0
+        try:
+            with tracking.stage_run("average", argparse.Namespace(params=Path(params))) as run:
+                run.log_metrics({"x": 1.0})
+        except BaseException:
+            traceback.print_exc()
+            status = 1
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(status)
+    pids.append(pid)
+os.write(go_write, b"x" * len(pids))
+print(json.dumps([os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]))
 """
 
 
 @pytest.mark.slow
 def test_stages_that_start_together_on_a_new_store_all_get_their_runs(tmp_path):
     """Queued experiments (`tools.seeds --run -j 3`) start their first stages at once: each used to create the new
-    sqlite store's tables (and the experiment) itself; the losers warned and ran untracked."""
+    sqlite store's tables (and the experiment) itself; the losers warned and ran untracked. Four processes, forked
+    once MLflow and DVC are imported, open their runs on a new store at the same moment."""
     uri = f"sqlite:///{tmp_path / 'store.db'}"
-    procs = []
-    start = time.time() + 8  # after the imports of every process
+    params = []
     for k in range(4):
-        params = tmp_path / f"params{k}.yaml"  # four pipelines: four parents
-        params.write_text(yaml.safe_dump({"average": {"last_n": k + 1}}))
-        env = stage_env(MLFLOW_TRACKING_URI=uri, DVC_STAGE="average", DVC_ROOT=str(tmp_path))
-        procs.append(subprocess.Popen([sys.executable, "-c", OPEN_ONE_RUN, str(params), str(start)], cwd=ROOT, env=env,
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
-    errors = [p.communicate(timeout=300)[1] for p in procs]
-    assert [p.returncode for p in procs] == [0] * 4, errors
-    assert not any("tracking is off" in e for e in errors), errors
+        params.append(tmp_path / f"params{k}.yaml")  # four pipelines: four parents
+        params[-1].write_text(yaml.safe_dump({"average": {"last_n": k + 1}}))
+    env = stage_env(MLFLOW_TRACKING_URI=uri, DVC_STAGE="average", DVC_ROOT=str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", OPEN_RUNS_TOGETHER, *map(str, params)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and json.loads(done.stdout) == [0] * 4, done.stderr
+    assert "tracking is off" not in done.stderr, done.stderr
     runs = all_runs(uri)
     assert len(runs) == 8 and {r.info.status for r in runs} == {"FINISHED"}
     assert len({r.info.experiment_id for r in runs}) == 1
@@ -324,8 +344,7 @@ def test_the_preset_tag_names_the_model_size_of_each_paper_preset():
 
 
 def test_a_stage_run_by_hand_gets_its_own_run_tagged_with_its_paths(tmp_path, monkeypatch):
-    uri = f"sqlite:///{tmp_path / 'store.db'}"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    uri = own_store()
     monkeypatch.chdir(tmp_path)
     params = evaluate_params(tmp_path / "params.yaml")
     translations, raw = write_split_files(tmp_path, HYPS, REFS)
@@ -351,9 +370,12 @@ def test_a_stage_run_by_hand_gets_its_own_run_tagged_with_its_paths(tmp_path, mo
 
 
 @pytest.fixture(scope="module")
-def killed_store(tmp_path_factory) -> str:
-    """One sqlite store for the signal tests (creating one costs seconds); each test finds its runs by params_hash."""
-    return f"sqlite:///{tmp_path_factory.mktemp('killed') / 'store.db'}"
+def killed_store(tmp_path_factory, _new_store) -> str:
+    """One sqlite store for the signal tests, a copy of a new one (its tables made by MLflow: a new store's migrations
+    cost seconds in the stage that opens it first); each test finds its runs by params_hash."""
+    db = tmp_path_factory.mktemp("killed") / "store.db"
+    shutil.copyfile(_new_store, db)
+    return f"sqlite:///{db}"
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
@@ -386,8 +408,7 @@ def test_a_killed_stage_closes_its_run_and_its_parent_as_killed(tmp_path, sig, k
 
 
 def test_a_finished_stage_logs_its_view_and_a_view_that_fails_costs_one_warning(tmp_path, monkeypatch, caplog):
-    uri = f"sqlite:///{tmp_path / 'store.db'}"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    uri = own_store()
     monkeypatch.setenv("PIPELINE_VIEWS", "1")
     monkeypatch.setenv("DVC_STAGE", "evaluate")
     monkeypatch.chdir(tmp_path)

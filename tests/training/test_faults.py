@@ -48,7 +48,7 @@ from tests.fixtures.pipeline_repo import (VENV_BIN, MlflowServer, dvc, dvc_run, 
 from tests.fixtures.train import ROOT, stage_args, stage_env
 from tests.fixtures.train import write_corpus as write_train_corpus
 from tests.fixtures.train import write_params as write_train_params
-from tests.fixtures.translation import shared_store, store  # noqa: F401 (fixtures)
+from tests.fixtures.translation import shared_store  # noqa: F401 (fixture)
 
 DEV_FULL = Path("/dev/full")
 
@@ -64,6 +64,15 @@ def _tracking_on_one_thread(monkeypatch):
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory, _new_store) -> str:
+    """The tracking URI of the module's sqlite MLflow store (shared_store sets it for each test): a copy of a new one,
+    its tables made (a new store's migrations cost seconds)."""
+    db = tmp_path_factory.mktemp("mlflow") / "mlflow.db"
+    shutil.copyfile(_new_store, db)
+    return f"sqlite:///{db}"
 
 
 def read_tree(*roots: Path) -> dict[str, bytes]:
@@ -234,10 +243,6 @@ def one_core() -> None:
     os.sched_setaffinity(0, {0})  # one thread, as the reference run: the same sums, bit for bit
 
 
-def last_core() -> None:
-    os.sched_setaffinity(0, {max(os.sched_getaffinity(0))})
-
-
 def train_subprocess(root: Path, **env: str) -> subprocess.CompletedProcess:
     """`python -m stages.train` on root's corpus, on one core."""
     cmd = [sys.executable, "-m", "stages.train", *stage_args(root, root / "params.yaml")]
@@ -338,6 +343,7 @@ def test_a_download_cut_in_every_try_is_resumed_by_the_next_run(tmp_path):
 
 E2E_TRAIN = dict(max_steps=20, warmup_steps=10, eval_every=10, log_every=5, checkpoint_every=5, keep_checkpoints=10)
 TRACKING_WARNING = "MLflow tracking at"
+ASK_EVERY_S = 15  # queue_done: how often `dvc queue status` is asked whatever the result backend holds
 
 
 def pipeline_env(**extra: str) -> dict[str, str]:
@@ -373,21 +379,58 @@ def warnings_per_stage(output: str) -> dict[str, int]:
     return counts
 
 
+def train_in_process(root: Path) -> dict[str, torch.Tensor]:
+    """The train stage over root's corpus, in this process on one thread (as the one-core stage processes: the same
+    sums) and untracked; its final weights."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(distributed, "available_cores", lambda: 1)
+        mp.setattr(tracking, "_disabled", True)
+        threads = torch.get_num_threads()
+        try:
+            train.main(stage_args(root, root / "params.yaml"))
+        finally:
+            torch.set_num_threads(threads)
+    return final_weights(root / "checkpoints")
+
+
+def queue_done(repo: Path, env: dict[str, str], tasks: int, timeout: float = 600) -> str:
+    """`dvc queue status` once its `tasks` experiments have ended (Success or Failed): that output.
+
+    Asked when the queue's result backend holds a result per task (.dvc/tmp/exps/celery/result, one file a finished
+    task), and every ASK_EVERY_S seconds whatever it holds: each `dvc queue status` is a second of CPU.
+    """
+    results = repo / ".dvc" / "tmp" / "exps" / "celery" / "result"
+    deadline = asked = time.monotonic()
+    deadline += timeout
+    while True:
+        if len(list(results.glob("*"))) >= tasks or time.monotonic() - asked > ASK_EVERY_S:
+            status, asked = dvc(repo, "queue", "status", env=env), time.monotonic()
+            lines = [line for line in status.splitlines()[1:] if line.strip() and "Worker status" not in line]
+            if len(lines) == tasks and all(("Success" in t or "Failed" in t) for t in lines):
+                return status
+            assert time.monotonic() < deadline, status
+        time.sleep(0.2)
+
+
 @pytest.fixture(scope="module")
-def pipeline(tmp_path_factory):
+def pipeline(tmp_path_factory, _new_store):
     """Runs the whole story once; the tests below each check one part of what it recorded.
 
     1. `dvc repro` (20 steps) with an MLflow server up all along; once training wrote a checkpoint,
        a second `dvc repro` is started, and must be refused by DVC's lock.
     2. train.max_steps 20 -> 40 and `dvc repro` with TRANSFORMER_FAULT=checkpoint_write@30: killed mid-write.
     3. `dvc repro` again: training resumes; the MLflow server is killed at its first new checkpoint.
-    4. The same 40 steps trained in one go, for the weights to compare with.
-    5. Two experiments queued (`dvc exp run --queue`, two beam sizes) and run by `dvc queue start`.
+    4. Two experiments queued (`dvc exp run --queue`, two beam sizes) and run by `dvc queue start`; meanwhile the
+       same 40 steps trained in one go (in this process), for the weights to compare with.
     """
     root = tmp_path_factory.mktemp("pipeline")
     repo = make_repo(root / "repo")
     (repo / ".gitignore").write_text("/data/.cache/\n/data/checkpoints/\n/mlflow.db\n/mlartifacts/\n")
-    server = MlflowServer(root / "server.db").launch()
+    for db in (root / "server.db", repo / "mlflow.db"):  # new stores, their tables made (seconds of migrations each)
+        shutil.copyfile(_new_store, db)
+    with pytest.MonkeyPatch.context() as mp:  # no job runner (and its seven huey consumers: ~20 s of CPU, unused here)
+        mp.setenv("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
+        server = MlflowServer(root / "server.db").launch()
     record: dict = {"repo": repo, "server_db": root / "server.db"}
     www = root / "www"
     www.mkdir()
@@ -432,10 +475,6 @@ def pipeline(tmp_path_factory):
         for name in ("tokenized", "batches"):
             shutil.copytree(repo / "data" / name, straight / name)
         shutil.copy(repo / "params.yaml", straight / "params.yaml")
-        reference = subprocess.Popen(  # on another core than the queue's runs, one thread as all the others
-            [sys.executable, "-m", "stages.train", *stage_args(straight, straight / "params.yaml")], cwd=ROOT,
-            env=stage_env(MLFLOW_TRACKING_URI=f"sqlite:///{straight / 'mlflow.db'}"), stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE, text=True, preexec_fn=last_core)
 
         git_commit(repo, "the tiny pipeline, trained")
         for key, value in (("user.name", "Test"), ("user.email", "test@example.org")):  # dvc commits experiments
@@ -444,21 +483,13 @@ def pipeline(tmp_path_factory):
         # -C: the checkpoints are not in DVC's cache, so a queued copy of the repo has them only when copied
         record["queued"] = [dvc(repo, "exp", "run", "--queue", "-C", "data/checkpoints", "-S", f"translate.beam_size={b}",
                                 env=queue_env) for b in (1, 2)]
-        dvc(repo, "queue", "start", "-j", "1", env=queue_env)
-        deadline = time.monotonic() + 600
-        while True:
-            status = dvc(repo, "queue", "status", env=queue_env)
-            tasks = [line for line in status.splitlines()[1:] if line.strip() and "Worker status" not in line]
-            if len(tasks) == 2 and all(("Success" in t or "Failed" in t) for t in tasks):
-                break
-            assert time.monotonic() < deadline, status
-            time.sleep(1)
-        record["queue_status"] = status
+        with open(root / "queue.log", "w") as log:  # not a pipe: the worker it starts inherits it and holds it open
+            started = subprocess.run(["dvc", "queue", "start", "-j", "1"], cwd=repo, env=queue_env, stdout=log,
+                                     stderr=subprocess.STDOUT, timeout=120)
+        assert started.returncode == 0, (root / "queue.log").read_text()
+        record["straight_weights"] = train_in_process(straight)  # meanwhile, in the background worker: the queue
+        record["queue_status"] = queue_done(repo, queue_env, 2)
         record["exp_show"] = json.loads(dvc_run(repo, "exp", "show", "--json", env=queue_env).stdout)
-
-        _, stderr = reference.communicate(timeout=300)
-        assert reference.returncode == 0, stderr[-3000:]
-        record["straight_weights"] = final_weights(straight / "checkpoints")
         yield record
     finally:
         server.stop()
