@@ -16,42 +16,17 @@ import torch
 
 from model.config import ModelConfig
 from model.transformer import Transformer
-from pipeline.core.config import TrainConfig
-from pipeline.core.tracking import StageRun
-from pipeline.device import compiled, distributed
-from pipeline.device.precision import resolve
+from pipeline.device import compiled
 from pipeline.training.loader import TrainingData
-from pipeline.training.trainer import Trainer
 from pipeline.weights.checkpoint import load_model
 from stages import average
-from tests.fixtures.train import (FIRST_ID, MODEL, TRAIN, VOCAB, final_weights, last_checkpoint, run_stage,
-                                  write_corpus, write_params)
+from tests.fixtures.train import (FIRST_ID, MODEL, VOCAB, final_weights, last_checkpoint, run_stage, write_corpus,
+                                  write_params)
+from tests.fixtures.trainer_steps import trained_steps
 
 CPU = torch.device("cpu")
 
 pytestmark = pytest.mark.usefixtures("one_thread", "aot_eager")
-
-
-def trained_steps(data: TrainingData, compile_: bool, steps: int) -> tuple[list[float], list[dict], dict]:
-    """`steps` steps of the trainer's own step: each step's loss, each step's gradients, the final weights."""
-    cfg = TrainConfig(**{**TRAIN, "compile": compile_})
-    trainer = Trainer(data, ModelConfig(**MODEL), cfg, 24, distributed.Dist(0, 1, 0, CPU), StageRun(), phash="",
-                      precision=resolve(cfg.cpu_matmul, CPU))
-    assert bool(trainer.compiled) == compile_
-    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    grads: dict[str, torch.Tensor] = {}
-    for name, p in trainer.model.named_parameters():  # each gradient as Adam sees it
-        p.register_post_accumulate_grad_hook(lambda p, name=name: grads.__setitem__(name, p.grad.clone()))
-    losses, step_grads = [], []
-    for _ in range(steps):
-        loss, _, _ = trainer.step(trainer.epoch_order())
-        losses.append(float(loss))
-        step_grads.append(dict(grads))
-    assert (torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs) == compile_  # compiled ran, or none
-    p = trainer.progress  # the steps' compiling, counted apart (metrics compile_seconds, compile_graphs)
-    assert p.compile_graphs == torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
-    assert (p.compile_seconds > 0) == compile_
-    return losses, step_grads, {k: v.clone() for k, v in trainer.model.state_dict().items()}
 
 
 def test_compiled_and_eager_steps_give_the_same_losses_gradients_and_weights(tmp_path):
@@ -59,14 +34,14 @@ def test_compiled_and_eager_steps_give_the_same_losses_gradients_and_weights(tmp
     eager = trained_steps(data, False, 4)
     torch._dynamo.reset()
     comp = trained_steps(data, True, 4)
-    assert comp[0] == pytest.approx(eager[0], rel=1e-5)
-    for want, got in zip(eager[1], comp[1]):
+    assert comp.losses == pytest.approx(eager.losses, rel=1e-5)
+    for want, got in zip(eager.grads, comp.grads):
         assert got.keys() == want.keys() and want
         for name in want:
             torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
-    assert comp[2].keys() == eager[2].keys()  # no `_orig_mod.` prefix: the module is the eager one
-    for name in eager[2]:
-        torch.testing.assert_close(comp[2][name], eager[2][name], rtol=1e-4, atol=1e-6, msg=name)
+    assert comp.weights.keys() == eager.weights.keys()  # no `_orig_mod.` prefix: the module is the eager one
+    for name in eager.weights:
+        torch.testing.assert_close(comp.weights[name], eager.weights[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
 def graphs() -> int:

@@ -4,13 +4,15 @@ It serves a stream of bucketed shapes with one graph (a single row: one more, it
 the real rows; falls back to eager in one warning; refuses R-Drop in one line; keeps inductor's graphs beside the
 checkpoints so that a resumed run loads them; and under DDP trains the weights of one eager process (eager
 checkpoints, compiling counted apart).
-Backend aot_eager (the aot_eager fixture), but for the cache, which only inductor fills.
+Backend aot_eager (the aot_eager fixture), but for the cache, which only inductor fills. One layer a stack
+(ONE_LAYER): the graph's size is what a compile costs, and nothing here depends on the depth.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import shutil
 import subprocess
 import sys
 
@@ -27,6 +29,16 @@ from tests.fixtures.train import (FIRST_ID, MODEL, ROOT, VOCAB, final_weights, l
                                   stage_args, stage_env, torchrun, write_corpus, write_params)
 
 pytestmark = pytest.mark.usefixtures("one_thread", "aot_eager")
+
+ONE_LAYER = {"n_layers": 1}  # model keys of every run here (write_params' model=)
+# Inductor's build cut to what the cache test checks (that the graphs are kept and loaded, not how fast they run):
+# C++ at -O0 without vector code (no ISA probe builds), and no pattern-matching passes (seconds of tracing).
+CHEAP_INDUCTOR = {"TORCHINDUCTOR_DEBUG_COMPILE": "1", "TORCHINDUCTOR_VEC_ISA_OK": "0",
+                  "TORCHINDUCTOR_DISABLED_PASSES": "PASS_PATTERN_0,PASS_PATTERN_1,PASS_PATTERN_2"}
+
+
+def one_layer_model() -> Transformer:
+    return Transformer(ModelConfig(**{**MODEL, **ONE_LAYER}), VOCAB)
 
 
 def graphs() -> int:
@@ -45,7 +57,7 @@ def test_a_stream_of_shapes_builds_one_graph_and_a_single_row_one_more_with_its_
     """30 bucketed shapes (rows >= 2) twice: one graph, built on the first; then a batch of one row: one graph
     more (torch specialises a size of 1), whose recompile and reason watch() records. Every loss equals the
     loss over the real rows (SmoothedLoss as the layers and eager train it)."""
-    model = Transformer(ModelConfig(**MODEL), VOCAB)
+    model = one_layer_model()
     forward, real = compiled.compile_step(SmoothedLoss(model, 0.1, padded=True)), SmoothedLoss(model, 0.1)
     rng, order = torch.Generator().manual_seed(0), np.random.default_rng(0)
     shapes = [(int(order.integers(2, 8)), int(order.integers(2, 15)), int(order.integers(2, 15))) for _ in range(30)]
@@ -65,7 +77,7 @@ def test_a_stream_of_shapes_builds_one_graph_and_a_single_row_one_more_with_its_
 def test_past_the_recompile_limit_dynamo_raises_where_it_would_run_eager_unseen():
     """Limit 2: a stream of shapes (one graph), one row (a second), a source of length 1 (a third: past the limit):
     raised, not run eager with a log line; under the limit nothing changes."""
-    model = Transformer(ModelConfig(**MODEL), VOCAB)
+    model = one_layer_model()
     forward, rng = compiled.compile_step(SmoothedLoss(model, 0.1, padded=True)), torch.Generator().manual_seed(0)
     with compiled.watch() as seen, compiled.limited(2):
         for rows, s, t in ((3, 5, 4), (4, 7, 6), (1, 6, 5)):
@@ -82,7 +94,7 @@ def test_a_run_past_the_recompile_limit_turns_eager_in_the_open_or_stops(tmp_pat
     eager and every step after it (train.json: why, from which step, how many), the weights of an eager run;
     fail: one line naming the step and the keys to change, no checkpoint."""
     monkeypatch.setattr(compiled, "STEP_DIMS", ((), (), ()))
-    keys = dict(max_steps=4, checkpoint_every=0, eval_every=0, adam_eps=1e-4, model={"dropout": 0.1})
+    keys = dict(max_steps=4, checkpoint_every=0, eval_every=0, adam_eps=1e-4, model={**ONE_LAYER, "dropout": 0.1})
     write_corpus(tmp_path / "step")
     params = write_params(tmp_path / "step" / "p.yaml", compile=True, compile_scope="step", compile_recompile_limit=1,
                           compile_on_limit=on_limit, **keys)
@@ -113,7 +125,7 @@ def test_a_whole_step_that_fails_to_compile_trains_eager_with_one_warning(tmp_pa
     put back) and the run eager from there: the weights of an eager run, to the rounding of the padded loss's sum."""
     if "failing_step_for_tests" not in torch._dynamo.list_backends(exclude_tags=()):
         torch._dynamo.register_backend(failing_compiler, name="failing_step_for_tests")
-    keys = dict(max_steps=3, checkpoint_every=0, eval_every=0, adam_eps=1e-4, model={"dropout": 0.1})
+    keys = dict(max_steps=3, checkpoint_every=0, eval_every=0, adam_eps=1e-4, model={**ONE_LAYER, "dropout": 0.1})
     for root, compile_ in ((tmp_path / "eager", False), (tmp_path / "step", True)):
         write_corpus(root)
         monkeypatch.setenv(compiled.BACKEND_ENV, "failing_step_for_tests")
@@ -136,14 +148,16 @@ def test_rdrop_with_the_whole_step_compiled_is_refused_in_one_line(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_resumed_run_loads_the_compiled_graphs_from_the_cache_beside_the_checkpoints(tmp_path):
-    """Inductor for real (a C++ build: ~20 s for this one-layer model on 2 cores): the first run builds the whole
-    step's graphs and keeps them in compile_cache/ beside the checkpoints (not torch's default directory, which
-    torch sets on import); the resumed run, a new process, loads them and builds none. metrics/train.json counts
-    both (run totals), and its recompiles with their reasons."""
+def test_a_resumed_run_loads_the_compiled_graphs_from_the_cache_beside_the_checkpoints(tmp_path, _new_store):
+    """Inductor for real (a C++ build, cut to CHEAP_INDUCTOR: ~40 CPU-s for this one-layer model): the first run
+    builds the whole step's graphs and keeps them in compile_cache/ beside the checkpoints (not torch's default
+    directory, which torch sets on import); the resumed run, a new process, loads them and builds none.
+    metrics/train.json counts both (run totals), and its recompiles with their reasons."""
     write_corpus(tmp_path)
-    keys = dict(compile=True, compile_scope="step", checkpoint_every=1, eval_every=0, model={"n_layers": 1})
-    env = stage_env(TRANSFORMER_COMPILE_BACKEND="inductor", MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'm.db'}")
+    keys = dict(compile=True, compile_scope="step", checkpoint_every=1, eval_every=0, model=ONE_LAYER)
+    shutil.copyfile(_new_store, tmp_path / "m.db")  # a store with its tables: MLflow's migrations cost seconds
+    env = stage_env(TRANSFORMER_COMPILE_BACKEND="inductor", MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'm.db'}",
+                    **CHEAP_INDUCTOR)
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)
     metrics = []
     for steps in (1, 2):
@@ -159,8 +173,7 @@ def test_a_resumed_run_loads_the_compiled_graphs_from_the_cache_beside_the_check
     assert (tmp_path / "compile_cache" / "fxgraph").is_dir()
     for m in metrics:  # a recompile counted is a recompile explained
         assert (m["compile_recompiles"] > 0) == bool(m["compile_recompile_reasons"])
-    assert set(last_checkpoint(tmp_path)["model"]) == set(
-        Transformer(ModelConfig(**{**MODEL, "n_layers": 1}), VOCAB).state_dict())  # an eager checkpoint
+    assert set(last_checkpoint(tmp_path)["model"]) == set(one_layer_model().state_dict())  # an eager checkpoint
 
 
 def test_the_compile_cache_goes_beside_the_checkpoints_unless_the_user_chose_one(tmp_path, monkeypatch):
@@ -183,7 +196,7 @@ def test_two_processes_with_the_whole_step_compiled_update_like_one_eager_proces
         write_corpus(root, max_tokens=48)
         write_params(root / "params.yaml", max_tokens=48, devices=devices, tokens_per_step=48, max_steps=4,
                      checkpoint_every=0, eval_every=0, micro_batch_tokens=micro, adam_eps=1e-4, compile=compile_,
-                     compile_scope="step", ddp_static_graph=static_graph and devices == 2)
+                     compile_scope="step", ddp_static_graph=static_graph and devices == 2, model=ONE_LAYER)
     m1 = run_stage(one, one / "params.yaml")
     out = torchrun(two, two / "params.yaml", 2, TRANSFORMER_COMPILE_BACKEND="aot_eager")
     assert out.returncode == 0, out.stderr[-3000:]

@@ -14,11 +14,12 @@ from model.config import ModelConfig
 from model.transformer import Transformer
 from pipeline.core.config import BatchConfig, ParamsError, TrainConfig, parse
 from pipeline.device.distributed import Dist
-from pipeline.training.loader import Batch
+from pipeline.training.loader import Batch, TrainingData
 from pipeline.training.optimizer import MuonAdam, build_optimizer, hidden_matrices, train_step
 from pipeline.training.params import params_hash
 from tests.fixtures.train import (MODEL, TRAIN, VOCAB, final_weights, last_checkpoint, run_stage, torchrun,
                                   write_corpus, write_params)
+from tests.fixtures.trainer_steps import trained_steps
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -166,13 +167,10 @@ def test_two_processes_with_muon_update_like_one_process(tmp_path):
 
 
 def test_a_muon_run_with_the_layers_compiled_trains_as_eager(tmp_path, aot_eager):
-    """train.compile compiles the layers' forward and backward; Muon steps outside the graph, as Adam does."""
-    runs = {}
-    for compile_ in (False, True):
-        root = tmp_path / str(compile_)
-        write_corpus(root)
-        runs[compile_] = run_stage(root, write_params(root / "p.yaml", compile=compile_, optimizer="muon"))
-        runs[compile_]["weights"] = final_weights(root)
-    assert runs[True]["compile_graphs"] == 2 and runs[False]["compile_graphs"] == 0
-    eager, compiled = runs[False]["weights"], runs[True]["weights"]
-    assert max((eager[k] - compiled[k]).abs().max().item() for k in eager) < 1e-5
+    """train.compile compiles the layers' forward and backward; Muon steps outside the graph, as Adam does: six of
+    the trainer's steps compiled (one graph per layer class) train the weights of six eager ones."""
+    data = TrainingData.load(*write_corpus(tmp_path))
+    eager = trained_steps(data, False, 6, optimizer="muon")
+    compiled = trained_steps(data, True, 6, optimizer="muon")
+    assert compiled.compile_graphs == 2 and eager.compile_graphs == 0
+    assert max((eager.weights[k] - compiled.weights[k]).abs().max().item() for k in eager.weights) < 1e-5
