@@ -176,11 +176,12 @@ def test_a_tiny_model_overfits_a_handful_of_pairs(tmp_path):
             (tmp_path / "tokenized" / f"valid.{lang}.{ext}").write_bytes((tmp_path / "tokenized" / f"train.{lang}.{ext}").read_bytes())
     for ext in ("index", "bounds"):
         (tmp_path / "batches" / f"valid.{ext}.npy").write_bytes((tmp_path / "batches" / f"train.{ext}.npy").read_bytes())
-    params = write_params(tmp_path / "params.yaml", max_tokens=40, max_steps=300, tokens_per_step=40, warmup_steps=20,
+    # 100 steps: valid nll 0.0014 (train.seed 1 and 2; 0.0002 after 300), far below the bound
+    params = write_params(tmp_path / "params.yaml", max_tokens=40, max_steps=100, tokens_per_step=40, warmup_steps=20,
                           lr_factor=0.5, label_smoothing=0.0, eval_every=0, log_every=50, checkpoint_every=0,
                           model={"d_model": 32, "d_ff": 64, "n_heads": 4})
     metrics = run_stage(tmp_path, params)
-    assert metrics["steps"] == 300
+    assert metrics["steps"] == 100
     assert metrics["valid_nll"] < 0.05, metrics
     assert metrics["valid_ppl"] < 1.06
 
