@@ -77,24 +77,20 @@ def train_on(model: Transformer, shapes: list[tuple[int, int, int]], most_graphs
         assert most_graphs is None or graphs() <= most_graphs, f"graph {graphs()} built at shape {(rows, s, t)}"
 
 
-def test_a_stream_of_shapes_builds_one_graph_per_layer_class_once():
+def test_shapes_build_one_graph_per_layer_class_once_and_a_dimension_of_1_a_few_more_that_train_as_eager():
     """Two epochs of 30 bucketed shapes: the first builds one graph for the encoder's layers and one for the
     decoder's (rows and lengths dynamic: compiled.DYNAMIC_DIMS), the second none. A compile that specialises
-    on shapes (dynamic=False; dynamic=True's duck sizing) fails here on its second shape."""
+    on shapes (dynamic=False; dynamic=True's duck sizing) fails here on its second shape.
+    Then a dimension of 1, which torch specialises (a size of 1 may broadcast), so it has graphs of its own: rows = 1
+    (a step's last rows split over the GPUs) one more per layer class, a target length of 1 (an empty line:
+    validation only, training drops empty pairs) one more for the decoder's layers (a source length of 1: one
+    more each, measured but not run here, ~3 s a graph). Built once, whatever the other dimensions: at most one
+    graph per layer class and combination of dimensions equal to 1, never one per shape."""
     model, shapes = compiled_tiny(), bucketed_shapes()
     train_on(model, shapes, most_graphs=2)
     assert graphs() == 2
     train_on(model, shapes[::-1])
     assert graphs() == 2  # the second epoch compiled nothing
-
-
-def test_a_dimension_of_1_costs_one_graph_per_layer_class_once_and_trains_as_eager():
-    """A dimension of 1 is specialised by torch (a size of 1 may broadcast), so it has graphs of its own: rows = 1
-    (a step's last rows split over the GPUs) one more per layer class, a target length of 1 (an empty line:
-    validation only, training drops empty pairs) one more for the decoder's layers (a source length of 1: one
-    more each, measured but not run here, ~3 s a graph). Built once, whatever the other dimensions: at most one
-    graph per layer class and combination of dimensions equal to 1, never one per shape."""
-    model = compiled_tiny()
     train_on(model, [(4, 5, 6)])
     assert graphs() == 2
     ones = [(1, 5, 6), (1, 3, 2), (1, 8, 9), (3, 4, 1), (5, 2, 1)]
@@ -146,25 +142,26 @@ def failing_compiler(gm, example_inputs):
     raise RuntimeError("injected compiler failure")
 
 
-@pytest.mark.parametrize("backend", ["no_such_backend", "failing_for_tests"],
-                         ids=["torch.compile refuses the backend", "the compiler fails on the first step"])
-def test_a_compile_failure_falls_back_to_eager_with_one_warning_and_eager_weights(tmp_path, caplog, monkeypatch,
-                                                                                   backend):
-    if backend == "failing_for_tests" and backend not in torch._dynamo.list_backends(exclude_tags=()):
-        torch._dynamo.register_backend(failing_compiler, name=backend)
+def test_a_compile_failure_falls_back_to_eager_with_one_warning_and_eager_weights(tmp_path, caplog, monkeypatch):
+    """Each way to fail, against one eager run: torch.compile refuses the backend (no_such_backend), and the
+    compiler fails on the first step (failing_for_tests)."""
+    if "failing_for_tests" not in torch._dynamo.list_backends(exclude_tags=()):
+        torch._dynamo.register_backend(failing_compiler, name="failing_for_tests")
     caplog.set_level(logging.INFO)
-    eager_root, compiled_root = tmp_path / "eager", tmp_path / "compiled"
     keys = dict(max_steps=4, checkpoint_every=2, eval_every=2, model={"dropout": 0.1})
-    for root, compile_ in ((eager_root, False), (compiled_root, True)):
+    eager = tmp_path / "eager"
+    write_corpus(eager)
+    assert run_stage(eager, write_params(eager / "p.yaml", compile=False, **keys))["steps"] == 4
+    want = final_weights(eager)
+    for backend in ("no_such_backend", "failing_for_tests"):
+        root = tmp_path / backend
         write_corpus(root)
         monkeypatch.setenv(compiled.BACKEND_ENV, backend)
         caplog.clear()
-        assert run_stage(root, write_params(root / "p.yaml", compile=compile_, **keys))["steps"] == 4
-    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "train.compile" in r.getMessage()]
-    assert len(warnings) == 1, caplog.text
-    assert "training eager instead" in warnings[0].getMessage() and backend in warnings[0].getMessage()
-    want = final_weights(eager_root)
-    got = final_weights(compiled_root)
-    for name in want:  # the failed step was repeated eager, dropout masks and all
-        assert torch.equal(got[name], want[name]), name
-
+        assert run_stage(root, write_params(root / "p.yaml", compile=True, **keys))["steps"] == 4
+        warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "train.compile" in r.getMessage()]
+        assert len(warnings) == 1, caplog.text
+        assert "training eager instead" in warnings[0].getMessage() and backend in warnings[0].getMessage()
+        got = final_weights(root)
+        for name in want:  # the failed step was repeated eager, dropout masks and all
+            assert torch.equal(got[name], want[name]), (backend, name)

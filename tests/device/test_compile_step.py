@@ -53,67 +53,62 @@ def batch(rows: int, s: int, t: int, rng: torch.Generator) -> tuple[torch.Tensor
     return src, tgt_in, labels
 
 
-def test_a_stream_of_shapes_builds_one_graph_and_a_single_row_one_more_with_its_reason():
-    """30 bucketed shapes (rows >= 2) twice: one graph, built on the first; then a batch of one row: one graph
-    more (torch specialises a size of 1), whose recompile and reason watch() records. Every loss equals the
-    loss over the real rows (SmoothedLoss as the layers and eager train it)."""
+def test_a_stream_of_shapes_builds_one_graph_a_single_row_one_more_and_a_third_past_the_limit_raises():
+    """Under a recompile limit of 2 (compiled.limited): 30 bucketed shapes (rows >= 2) twice: one graph, built on
+    the first; then a batch of one row: one graph more (torch specialises a size of 1), whose recompile and reason
+    watch() records. Every loss equals the loss over the real rows (SmoothedLoss as the layers and eager train it):
+    under the limit nothing changes. Then a source of length 1 (a third graph: past the limit): raised, not run
+    eager with a log line, and its reason the guard that failed."""
     model = one_layer_model()
     forward, real = compiled.compile_step(SmoothedLoss(model, 0.1, padded=True)), SmoothedLoss(model, 0.1)
     rng, order = torch.Generator().manual_seed(0), np.random.default_rng(0)
     shapes = [(int(order.integers(2, 8)), int(order.integers(2, 15)), int(order.integers(2, 15))) for _ in range(30)]
-    for epoch in range(2):
-        for rows, s, t in shapes:
-            src, tgt_in, labels = batch(rows, s, t, rng)
-            tokens = int((labels != 0).sum())
-            forward(src, tgt_in, labels, tokens).backward()
-            assert graphs() == 1, f"graph {graphs()} at shape {(rows, s, t)}, epoch {epoch}"
-    with compiled.watch() as seen:
-        src, tgt_in, labels = batch(1, 6, 5, rng)
-        got = forward(src, tgt_in, labels, int((labels != 0).sum()))
-    assert graphs() == 2 and len(seen.reasons) == 1 and "src.size()[0]" in seen.reasons[0]
-    torch.testing.assert_close(got, real(src, tgt_in, labels, int((labels != 0).sum())), rtol=1e-5, atol=1e-5)
-
-
-def test_past_the_recompile_limit_dynamo_raises_where_it_would_run_eager_unseen():
-    """Limit 2: a stream of shapes (one graph), one row (a second), a source of length 1 (a third: past the limit):
-    raised, not run eager with a log line; under the limit nothing changes."""
-    model = one_layer_model()
-    forward, rng = compiled.compile_step(SmoothedLoss(model, 0.1, padded=True)), torch.Generator().manual_seed(0)
-    with compiled.watch() as seen, compiled.limited(2):
-        for rows, s, t in ((3, 5, 4), (4, 7, 6), (1, 6, 5)):
-            forward(*batch(rows, s, t, rng))
-        with pytest.raises(compiled.RecompileLimitHit):
-            forward(*batch(3, 1, 4, rng))
+    with compiled.limited(2):
+        for epoch in range(2):
+            for rows, s, t in shapes:
+                src, tgt_in, labels = batch(rows, s, t, rng)
+                tokens = int((labels != 0).sum())
+                forward(src, tgt_in, labels, tokens).backward()
+                assert graphs() == 1, f"graph {graphs()} at shape {(rows, s, t)}, epoch {epoch}"
+        with compiled.watch() as seen:
+            src, tgt_in, labels = batch(1, 6, 5, rng)
+            got = forward(src, tgt_in, labels, int((labels != 0).sum()))
+        assert graphs() == 2 and len(seen.reasons) == 1 and "src.size()[0]" in seen.reasons[0]
+        torch.testing.assert_close(got, real(src, tgt_in, labels, int((labels != 0).sum())), rtol=1e-5, atol=1e-5)
+        with compiled.watch() as seen, pytest.raises(compiled.RecompileLimitHit):
+            src, tgt_in, labels = batch(3, 1, 4, rng)
+            forward(src, tgt_in, labels, int((labels != 0).sum()))
     assert graphs() == 2 and "limit (2 graphs)" in compiled.limit_reason(2, seen.reasons)
     assert "src.size()[1]" in compiled.limit_reason(2, seen.reasons)  # the guard that failed last
 
 
-@pytest.mark.parametrize("on_limit", ["eager", "fail"])
-def test_a_run_past_the_recompile_limit_turns_eager_in_the_open_or_stops(tmp_path, caplog, monkeypatch, on_limit):
-    """Nothing marked dynamic and a limit of 1: the second shape passes it. eager: one warning, the step repeated
-    eager and every step after it (train.json: why, from which step, how many), the weights of an eager run;
-    fail: one line naming the step and the keys to change, no checkpoint."""
+def test_a_run_past_the_recompile_limit_turns_eager_in_the_open_or_stops(tmp_path, caplog, monkeypatch):
+    """Nothing marked dynamic and a limit of 1: the second shape passes it. train.compile_on_limit = eager: one
+    warning, the step repeated eager and every step after it (train.json: why, from which step, how many), the
+    weights of an eager run; fail (the same run again, its first graph already built): one line naming the step
+    and the keys to change, no checkpoint."""
     monkeypatch.setattr(compiled, "STEP_DIMS", ((), (), ()))
     keys = dict(max_steps=4, checkpoint_every=0, eval_every=0, adam_eps=1e-4, model={**ONE_LAYER, "dropout": 0.1})
-    write_corpus(tmp_path / "step")
-    params = write_params(tmp_path / "step" / "p.yaml", compile=True, compile_scope="step", compile_recompile_limit=1,
-                          compile_on_limit=on_limit, **keys)
-    if on_limit == "fail":
-        with pytest.raises(compiled.RecompileLimitError, match=r"train.compile: step \d: dynamo's recompile limit "
-                                                               r"\(1 graphs\) hit; last guard failed: .*train.compile_on_limit=eager"):
-            run_stage(tmp_path / "step", params)
-        assert not list((tmp_path / "step").glob("checkpoints/*.pt"))
-        return
-    m = run_stage(tmp_path / "step", params)
+    for on_limit in ("eager", "fail"):
+        write_corpus(tmp_path / on_limit)
+        write_params(tmp_path / on_limit / "p.yaml", compile=True, compile_scope="step", compile_recompile_limit=1,
+                     compile_on_limit=on_limit, **keys)
+    m = run_stage(tmp_path / "eager", tmp_path / "eager" / "p.yaml")
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "train.compile" in r.getMessage()]
     assert len(warned) == 1 and "recompile limit (1 graphs) hit" in warned[0] and "eager" in warned[0]
     assert m["compile_fallback"].startswith("dynamo's recompile limit (1 graphs) hit; last guard failed: ")
-    assert 1 <= m["compile_fallback_step"] <= 4 and m["compile_graphs"] >= 1 and m["compile_eager_steps"] == 4 - m["compile_fallback_step"] + 1
-    write_corpus(tmp_path / "eager")
-    run_stage(tmp_path / "eager", write_params(tmp_path / "eager" / "p.yaml", compile=False, **keys))
-    want, got = final_weights(tmp_path / "eager"), final_weights(tmp_path / "step")
+    assert 1 <= m["compile_fallback_step"] <= 4 and m["compile_graphs"] >= 1
+    assert m["compile_eager_steps"] == 4 - m["compile_fallback_step"] + 1
+    write_corpus(tmp_path / "reference")
+    run_stage(tmp_path / "reference", write_params(tmp_path / "reference" / "p.yaml", compile=False, **keys))
+    want, got = final_weights(tmp_path / "reference"), final_weights(tmp_path / "eager")
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5, msg=name)
+    stop = (r"train.compile: step \d: dynamo's recompile limit \(1 graphs\) hit; last guard failed: "
+            r".*train.compile_on_limit=eager")
+    with pytest.raises(compiled.RecompileLimitError, match=stop):
+        run_stage(tmp_path / "fail", tmp_path / "fail" / "p.yaml")
+    assert not list((tmp_path / "fail").glob("checkpoints/*.pt"))
 
 
 def failing_compiler(gm, example_inputs):
