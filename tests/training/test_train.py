@@ -1,5 +1,5 @@
-"""stages.train on one process: the paper's schedule and loss, exact resumes, outputs (several processes:
-test_train_processes.py)."""
+"""stages.train: the paper's schedule and loss, exact data-parallel updates, exact resumes, outputs (a step shared by
+a world of processes: test_train_world.py)."""
 
 from __future__ import annotations
 
@@ -21,18 +21,19 @@ from model import loss as loss_lib
 from model.schedule import lrate
 from model.config import ModelConfig
 from model.transformer import Transformer
-from pipeline.device import cpu, distributed, peak
+from pipeline.device import cpu, peak
 from pipeline.training import trainer as trainer_lib
-from pipeline.corpus import steps
 from pipeline.core.files import write_json
 from stages import batch as batch_stage
+from stages import train
 from pipeline.weights.checkpoint import complete_checkpoints, load_checkpoint
 from pipeline.core.config import ParamsError
 from pipeline.corpus.formats import BOS_ID, EOS_ID, PAD_ID, load_batches, load_split
 from pipeline.training.loader import collate
 from tests.fixtures.train import (MODEL, ROOT, VOCAB, final_weights, last_checkpoint, run_stage, stage_args, stage_env,
-                                  write_corpus, write_params)
-from tests.fixtures.train_runs import one_thread_shared_store, plot_rows, shared_store  # noqa: F401 (fixtures)
+                                  torchrun, write_corpus, write_params)
+from tests.fixtures.train_runs import (TWO_PROCESS_RECIPE, one_process_run, one_thread_shared_store,  # noqa: F401
+                                       plot_rows, shared_store)
 
 
 # --- schedule and loss --------------------------------------------------------------------
@@ -123,46 +124,14 @@ def test_batches_frame_sentences_with_eos_and_bos_and_pad_the_rest(tmp_path):
     assert batch.src.shape[1] == max(len(src[r]) for r in rows) + 1
 
 
-def test_a_step_holds_the_same_batches_on_every_world():
-    assert steps.batches_per_step(26400, 3300) == 8  # 8 batches of <= 3300 padded tokens
-    assert [steps.grad_accumulation(26400, 3300, world) for world in (1, 2, 4, 8)] == [8, 4, 2, 1]
-    assert steps.batches_per_step(25000, 3000) == 9  # ceil: never fewer tokens than asked
-    assert steps.batches_per_step(100, 2500) == 1
-    # the presets: one stored batch a step, cut by rows among the processes
-    assert [steps.parts_per_batch(1, world) for world in (1, 2, 8, 16)] == [1, 2, 8, 16]
-    assert [steps.grad_accumulation(27400, 27400, world) for world in (1, 2, 8, 16)] == [1, 1, 1, 1]
-
-
-@pytest.mark.parametrize("batches, world", [(8, 1), (8, 2), (8, 6), (8, 16), (1, 8), (2, 3), (9, 6)])
-def test_any_world_shares_a_steps_rows_equally_each_row_once(batches, world):
-    """A world that does not divide the step's batches cuts each into row parts: 6 GPUs take 4 thirds of the 8
-    batches each, 8 GPUs every 8th row of a one-batch step; every row of the step once, in every world."""
-    parts = steps.parts_per_batch(batches, world)
-    per_process = steps.grad_accumulation(batches * 100, 100, world)
-    rows = {b: np.arange(b * 1000, b * 1000 + 37) for b in range(batches)}
-    step = np.arange(batches)
-    shares = [steps.rank_share(step, r, world, parts) for r in range(world)]
-    assert all(len(mine) == n == per_process for mine, n in shares)  # equal shares, no zero-weight filler
-    trained = np.concatenate([rows[b][p::parts] for mine, _ in shares for b, p in mine])
-    assert np.array_equal(np.sort(trained), np.concatenate(list(rows.values())))
-    sizes = [sum(len(rows[b][p::parts]) for b, p in mine) for mine, _ in shares]
-    assert max(sizes) - min(sizes) <= per_process  # the rows spread evenly
-
-
-def test_sharding_uses_every_batch_of_an_epoch_exactly_once():
-    world, accum, num_batches = 8, 2, 37
-    order = steps.epoch_order(num_batches, seed=1, epoch=0)
-    assert sorted(order.tolist()) == list(range(num_batches))
-    assert not np.array_equal(order, steps.epoch_order(num_batches, seed=1, epoch=1))  # reshuffled per epoch
-    seen, cursor = [], 0
-    while cursor < num_batches:
-        step = order[cursor : cursor + world * accum]
-        cursor += len(step)
-        shares = [steps.rank_share(step, r, world) for r in range(world)]
-        assert len({n for _, n in shares}) == 1  # every rank runs as many micro-batches
-        assert all(len(mine) <= n for mine, n in shares)
-        seen += [b for mine, _ in shares for b, part in mine]
-    assert sorted(seen) == list(range(num_batches))
+def test_torchrun_starting_fewer_processes_than_devices_is_a_clear_error(tmp_path, monkeypatch):
+    write_corpus(tmp_path)
+    params = write_params(tmp_path / "params.yaml", devices=2)
+    for name, value in (("WORLD_SIZE", "1"), ("RANK", "0"), ("LOCAL_RANK", "0")):  # `torchrun --nproc_per_node=1`
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ParamsError, match=r"train\.devices=2 but 1 process\(es\) were started"):
+        train.main(stage_args(tmp_path, params))
+    assert not (tmp_path / "metrics").exists() and not (tmp_path / "checkpoints").exists()
 
 
 # --- whole runs -----------------------------------------------------------------------------
@@ -370,17 +339,53 @@ def test_a_corrupt_newest_checkpoint_is_skipped_and_the_previous_one_resumed(tmp
     assert metrics["steps"] == 5
 
 
-AVAILABLE_CORES = distributed.available_cores  # the real one: one_thread_shared_store replaces it in every test
+# --- several processes ----------------------------------------------------------------------
 
 
-def test_omp_num_threads_sets_the_training_threads_and_a_bad_value_names_it(monkeypatch):
-    monkeypatch.setattr(distributed, "available_cores", AVAILABLE_CORES)
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    assert distributed.available_cores() == 1
-    monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    assert distributed.available_cores() == 3
-    monkeypatch.delenv("OMP_NUM_THREADS")
-    assert distributed.available_cores() == len(os.sched_getaffinity(0))
-    monkeypatch.setenv("OMP_NUM_THREADS", "two")
-    with pytest.raises(ParamsError, match="OMP_NUM_THREADS='two'"):
-        distributed.available_cores()
+@pytest.mark.slow
+def test_two_processes_update_like_one_process_with_the_same_global_batch(tmp_path, one_process_run):
+    """A step of one stored batch: two processes take every other row of it (row parts), one process takes it in
+    micro-batches of at most 12 padded tokens (train.micro_batch_tokens): the same update."""
+    m1, a = one_process_run
+    write_corpus(tmp_path, max_tokens=48)
+    write_params(tmp_path / "params.yaml", devices=2, micro_batch_tokens=0, **TWO_PROCESS_RECIPE)
+    out = torchrun(tmp_path, tmp_path / "params.yaml", 2)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "each cut into 2 row parts" in out.stderr
+    m2 = json.loads((tmp_path / "metrics" / "train.json").read_text())
+    assert (m1["grad_accum"], m2["grad_accum"], m2["devices"]) == (1, 1, 2)
+    assert m1["train_tokens"] == m2["train_tokens"] and m1["params_hash"] == m2["params_hash"]
+    b = final_weights(tmp_path)
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
+
+
+@pytest.mark.parametrize("ddp", [{"ddp_static_graph": True, "ddp_bucket_mb": 0.01}, {"grad_compression": "fp16"}],
+                         ids=["static-graph-small-buckets", "fp16-all-reduce"])
+@pytest.mark.slow
+def test_two_processes_under_ddps_settings_update_like_one_process(tmp_path, ddp, one_process_run):
+    """train.ddp_static_graph with micro-batches (its first step syncs each one) and 10 KiB buckets: the one
+    process's update, and its params_hash; train.grad_compression = fp16: the all-reduce rounded to fp16, so
+    the weights come near the one process's but not onto them, and the hash says it trained otherwise."""
+    m1, a = one_process_run
+    write_corpus(tmp_path, max_tokens=48)
+    write_params(tmp_path / "params.yaml", devices=2, micro_batch_tokens=12, **TWO_PROCESS_RECIPE, **ddp)
+    out = torchrun(tmp_path, tmp_path / "params.yaml", 2)
+    assert out.returncode == 0, out.stderr[-3000:]
+    m2 = json.loads((tmp_path / "metrics" / "train.json").read_text())
+    assert "micro-batches of at most 12 padded tokens" in out.stderr  # each rank's half in 2 (no_sync on the first)
+    assert m1["train_tokens"] == m2["train_tokens"]
+    b = final_weights(tmp_path)
+    gap = max((a[k] - b[k]).abs().max().item() for k in a)
+    print("largest weight difference", gap)
+    if "grad_compression" in ddp:
+        assert m1["params_hash"] != m2["params_hash"] and 0 < gap < 1e-2
+    else:
+        assert m1["params_hash"] == m2["params_hash"] and gap < 1e-5
+
+
+def test_bf16_gradient_compression_without_a_cuda_gpu_is_one_clear_line(tmp_path):
+    write_corpus(tmp_path)
+    params = write_params(tmp_path / "params.yaml", devices=2, grad_compression="bf16")
+    with pytest.raises(ParamsError, match=r"train\.grad_compression = bf16: .*NCCL.*set train\.grad_compression=fp16"):
+        run_stage(tmp_path, params)
+    assert not (tmp_path / "checkpoints").exists()
