@@ -1,6 +1,8 @@
 """What a user sees when a stage fails: one line naming what to fix, its exit status, and no traceback unless asked.
 
-The commands are run as DVC runs them (dvc.yaml's, in a subprocess); Ctrl-C is a real SIGINT to the process group.
+The commands are run as DVC runs them (dvc.yaml's, in a subprocess; a command already run so by another check, with
+other params or environment, in this process as `python -m` runs it: run_here); Ctrl-C is a real SIGINT to the process
+group.
 """
 
 from __future__ import annotations
@@ -9,11 +11,14 @@ import hashlib
 import importlib
 import os
 import re
+import runpy
 import shlex
 import signal
 import subprocess
 import sys
 import time
+import traceback
+import warnings
 from pathlib import Path
 
 import pytest
@@ -22,7 +27,7 @@ import yaml
 from pipeline.core import cli
 from pipeline.core.config import ParamsError, compose
 from pipeline.core.errors import PipelineError
-from pipeline.core.files import OutputError, atomic_dir
+from pipeline.core.files import InputError, OutputError, atomic_dir
 from tests.fixtures.train import ROOT, stage_env, write_corpus, write_params
 
 
@@ -49,6 +54,27 @@ def one_core() -> None:
 def run(cmd: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=cwd, env=stage_env(**env), capture_output=True, text=True, timeout=300,
                           preexec_fn=one_core)
+
+
+def run_here(cmd: list[str], cwd: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture,
+             **env: str) -> tuple[int, str]:
+    """dvc.yaml's `... python -m <module> <args>` run in this process as `python -m` runs it (the module as __main__,
+    its arguments in sys.argv), in `cwd` with `env`: its exit status and what it wrote to stderr (file descriptor 2).
+    An exception it lets out propagates (the interpreter would print its traceback and exit with 1)."""
+    words = cmd[cmd.index("-m") + 1 :]
+    monkeypatch.chdir(cwd)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(sys, "argv", [sys.argv[0], *words[1:]])
+    capfd.readouterr()
+    try:
+        with warnings.catch_warnings():  # imported already (other tests): runpy runs its code afresh, and says so
+            warnings.filterwarnings("ignore", "'.*' found in sys.modules", RuntimeWarning)
+            runpy.run_module(words[0], run_name="__main__", alter_sys=True)
+        status = 0
+    except SystemExit as e:
+        status = e.code
+    return status, capfd.readouterr().err
 
 
 # --- one line, exit status 2 -----------------------------------------------------------------------------------
@@ -90,12 +116,16 @@ def test_every_stage_names_a_missing_input_as_missing_and_the_stage_that_writes_
     assert [p.name for p in work.iterdir()] == ["params.yaml"]  # nothing written
 
 
-def test_the_traceback_is_shown_when_asked_for(tmp_path):
+def test_the_traceback_is_shown_when_asked_for(tmp_path, monkeypatch, capfd):
+    """The command of test_a_missing_input_is_named_as_missing_in_one_line, run in this process: it lets the error out
+    (an interpreter prints its traceback and exits with 1)."""
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(compose([])))
-    out = run(dvc_command("batch", tmp_path), tmp_path, **{cli.TRACEBACK_ENV: "1"})
-    assert out.returncode == 1
-    assert "Traceback (most recent call last)" in out.stderr
-    assert out.stderr.rstrip().endswith("InputError: data/tokenized/meta.json: missing; run the tokenize stage first")
+    with pytest.raises(InputError) as raised:
+        run_here(dvc_command("batch", tmp_path), tmp_path, monkeypatch, capfd, **{cli.TRACEBACK_ENV: "1"})
+    shown = "".join(traceback.format_exception(raised.value))
+    assert shown.startswith("Traceback (most recent call last)")
+    assert shown.rstrip().endswith("InputError: data/tokenized/meta.json: missing; run the tokenize stage first")
+    assert "batch: error:" not in capfd.readouterr().err  # instead of the one line, not besides it
 
 
 def test_an_unexpected_error_keeps_its_traceback_and_an_expected_one_is_one_line(capsys):
@@ -128,13 +158,16 @@ def test_an_input_that_cannot_be_read_is_not_reported_as_a_failed_write(tmp_path
 # --- the train stage, one or several processes --------------------------------------------------------------
 
 
-@pytest.mark.parametrize("devices", [1, 2])
-def test_a_bad_train_param_is_the_only_line_the_train_command_prints(tmp_path, devices):
-    """`dvc exp run -S train.max_minutes=abc`: torchrun's report used to bury the message 20 lines up."""
-    training_setup(tmp_path, devices=devices, max_minutes="abc")
-    out = run(dvc_command("train", tmp_path), tmp_path)
+def test_a_bad_train_param_is_the_only_line_the_train_command_prints(tmp_path, monkeypatch, capfd):
+    """`dvc exp run -S train.max_minutes=abc`: torchrun's report used to bury the message 20 lines up. Two processes
+    (train.devices 2): the command, in a process of its own; one (devices 1): the same command, in this process."""
+    line = "train: error: params.yaml: train.max_minutes: expected float, got str 'abc'\n"
+    training_setup(tmp_path / "two", devices=2, max_minutes="abc")
+    out = run(dvc_command("train", tmp_path / "two"), tmp_path / "two")
     assert out.returncode == 2
-    assert out.stderr == "train: error: params.yaml: train.max_minutes: expected float, got str 'abc'\n"
+    assert out.stderr == line
+    training_setup(tmp_path / "one", devices=1, max_minutes="abc")
+    assert run_here(dvc_command("train", tmp_path / "one"), tmp_path / "one", monkeypatch, capfd) == (2, line)
 
 
 @pytest.mark.slow
