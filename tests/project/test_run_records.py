@@ -1,8 +1,8 @@
 """What MLflow and tools.report record of real `dvc repro` runs: each run holds its own results and no one else's.
 
 A is the session's finished tiny run (tests/fixtures/tiny_run.py: committed first, so that its parent run is named by
-its commit; the default store, mlflow.db at its root); S to E run on a copy of it, with its store, each run committed
-first:
+its commit; the default store, mlflow.db at its root; the stages' views on, which a test reads); S to E run on a copy
+of it, with its store, each run committed first (views off: no test reads theirs):
 
     A  `dvc repro`                                   the whole pipeline: a BLEU
     S  translate.max_tokens 2000 -> 500, `dvc repro` translate re-runs, writes the same translations, and
@@ -39,7 +39,7 @@ def commit_of(repo) -> str:
 def story(tiny_run, tmp_path_factory):
     """A (the session's tiny run), then S to E run once on a copy of it; returns what the tests look at."""
     repo = copy_run(tiny_run, tmp_path_factory.mktemp("records") / "repo", store=True)
-    env = run_env()
+    env = run_env(views=False)
     params = copy.deepcopy(tiny_run.params)
     assert (params["train"]["max_steps"], params["average"]["last_n"], params["translate"]["max_tokens"]) \
         == (10, 2, 2000), "the story below starts from these"

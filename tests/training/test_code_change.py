@@ -7,6 +7,7 @@ runs `dvc status` or `dvc repro` there.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import shutil
@@ -71,7 +72,12 @@ def repo(trained, tmp_path) -> Path:
 
 
 def changed_stages(repo: Path) -> set[str]:
-    return set(json.loads(dvc_run(repo, "status", "--json").stdout or "{}"))
+    """The stages `dvc status` lists as changed: DVC's status, in this process (what the command runs, under the lock
+    it takes, without a new process importing DVC each time)."""
+    from dvc.repo import Repo, lock_repo
+
+    with contextlib.chdir(repo), Repo() as project, lock_repo(project):  # stage names as seen from the repo's root
+        return set(project.status())
 
 
 @pytest.mark.parametrize("path, stages", [
