@@ -11,8 +11,7 @@ import pytest
 
 from pipeline import progress as progress_module
 from pipeline.progress import progress_bar
-from tests.fixtures.files_server import FileServer
-from tests.fixtures.pipeline_repo import dvc, make_repo, tiny_params, write_corpus, write_params
+from tests.fixtures.tiny_run import SIZES, tiny_run  # noqa: F401 (tiny_run is a fixture)
 
 
 def run_bar(stream, steps: int = 200, pause: float = 0.005) -> None:
@@ -59,12 +58,10 @@ def test_on_a_terminal_the_bar_redraws_in_place():
 
 
 @pytest.mark.slow
-def test_dvc_repro_into_a_pipe_logs_progress_as_lines_not_carriage_returns(tmp_path):
-    """`dvc repro` with its output captured (a pipe, as in CI or `dvc repro > log`): no redraws piled in a line."""
-    repo = make_repo(tmp_path / "repo")
-    (tmp_path / "www").mkdir()
-    with FileServer(tmp_path / "www") as server:
-        write_params(repo, tiny_params(write_corpus(tmp_path / "www", server, {"train": 300, "valid": 10, "test": 10})))
-        out = dvc(repo, "repro", "tokenize")
+def test_dvc_repro_into_a_pipe_logs_progress_as_lines_not_carriage_returns(tiny_run):
+    """`dvc repro` of every stage with its output captured (a pipe, as in CI or `dvc repro > log`): no redraws piled in
+    a line. The output is the session's tiny run's (tests/fixtures/tiny_run.py), its corpus SIZES sentences."""
+    out, lines = tiny_run.output, SIZES["train"]
+    assert tiny_run.returncode == 0, out[-2000:]
     assert "\r" not in out
-    assert re.search(r"^encode train: +100% 300/300 ", out, re.M), out[-2000:]
+    assert re.search(rf"^encode train: +100% {lines}/{lines} ", out, re.M), out[-2000:]

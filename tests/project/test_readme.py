@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.fixtures.files_server import FileServer
-from tests.fixtures.pipeline_repo import VENV_BIN, dvc, dvc_run, git_commit, make_repo, tiny_params, use_preset, write_corpus
+from tests.fixtures.pipeline_repo import VENV_BIN, dvc, dvc_run, git_commit, use_preset
+from tests.fixtures.tiny_run import copy_run, tiny_run  # noqa: F401 (tiny_run is a fixture)
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
@@ -198,54 +198,50 @@ def closed_port() -> int:
 
 
 @pytest.mark.slow
-def test_the_readme_commands_compare_experiments_and_undo_failed_runs(tmp_path):
-    repo = make_repo(tmp_path / "repo")
+def test_the_readme_commands_compare_experiments_and_undo_failed_runs(tiny_run, tmp_path):
+    """On a copy of the session's finished tiny run (tests/fixtures/tiny_run.py) made its preset and committed: each
+    experiment re-runs translate and evaluate."""
+    repo = copy_run(tiny_run, tmp_path / "repo")
     (repo / ".gitignore").write_text("/data/.cache/\n/mlflow.db\n")
-    (tmp_path / "www").mkdir()
-    with FileServer(tmp_path / "www") as files:
-        params = tiny_params(write_corpus(tmp_path / "www", files, {"train": 200, "valid": 10, "test": 10}),
-                             max_steps=6, warmup_steps=2, eval_every=3, log_every=3, checkpoint_every=3,
-                             keep_checkpoints=2)
-        params["average"]["last_n"] = 1
-        params["translate"]["max_len_b"] = 3
-        use_preset(repo, params)
-        unreachable = yaml.safe_load(yaml.safe_dump(params))  # a preset whose data cannot be had
-        for split in ("train", "valid", "test"):
-            for side in ("src", "tgt"):
-                unreachable["data"][split][0][side]["url"] = f"http://127.0.0.1:{closed_port()}/{split}.{side}"
-        (repo / "conf" / "experiment" / "unreachable.yaml").write_text(
-            "# @package _global_\n" + yaml.safe_dump(unreachable, sort_keys=False))
-        git_commit(repo, "tiny preset")
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        dvc(repo, "exp", "run", "-n", "beam2", "-S", "translate.beam_size=2", env=env)
-        dvc(repo, "exp", "run", "-n", "beam1", "-S", "translate.beam_size=1", env=env)
+    params = tiny_run.params
+    use_preset(repo, params)
+    unreachable = yaml.safe_load(yaml.safe_dump(params))  # a preset whose data cannot be had
+    for split in ("train", "valid", "test"):
+        for side in ("src", "tgt"):
+            unreachable["data"][split][0][side]["url"] = f"http://127.0.0.1:{closed_port()}/{split}.{side}"
+    (repo / "conf" / "experiment" / "unreachable.yaml").write_text(
+        "# @package _global_\n" + yaml.safe_dump(unreachable, sort_keys=False))
+    git_commit(repo, "tiny preset")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    dvc(repo, "exp", "run", "-n", "beam2", "-S", "translate.beam_size=2", env=env)
+    dvc(repo, "exp", "run", "-n", "beam1", "-S", "translate.beam_size=1", env=env)
 
-        raw = {str(p.relative_to(repo)) for p in (repo / "data" / "raw").iterdir()}
-        assert raw == brace_expand(re.search(r"`(data/raw/\{[^`]*)`", README)[1])
-        translations = {str(p.relative_to(repo)) for p in (repo / "data" / "translations").iterdir()}
-        assert translations == brace_expand(re.search(r"`(data/translations/\{[^`]*)`", README)[1])
+    raw = {str(p.relative_to(repo)) for p in (repo / "data" / "raw").iterdir()}
+    assert raw == brace_expand(re.search(r"`(data/raw/\{[^`]*)`", README)[1])
+    translations = {str(p.relative_to(repo)) for p in (repo / "data" / "translations").iterdir()}
+    assert translations == brace_expand(re.search(r"`(data/translations/\{[^`]*)`", README)[1])
 
-        shown = fresh_shell(repo, readme_command("dvc exp show"))
-        assert shown.returncode == 0, shown.stderr
-        header, _, *rows = shown.stdout.strip().splitlines()
-        assert [c.strip() for c in header.strip("|").split("|")] == [
-            "Experiment", "flops_analytic", "valid_ppl", "bleu", "bleu_tokenized", "translate.beam_size"]
-        beams = {re.search(r"\[(\w+)\]", r)[1]: r.strip("|").split("|")[-1].strip() for r in rows if "[" in r}
-        assert beams == {"beam1": "1", "beam2": "2"}
-        assert "…" not in shown.stdout and "..." not in shown.stdout
+    shown = fresh_shell(repo, readme_command("dvc exp show"))
+    assert shown.returncode == 0, shown.stderr
+    header, _, *rows = shown.stdout.strip().splitlines()
+    assert [c.strip() for c in header.strip("|").split("|")] == [
+        "Experiment", "flops_analytic", "valid_ppl", "bleu", "bleu_tokenized", "translate.beam_size"]
+    beams = {re.search(r"\[(\w+)\]", r)[1]: r.strip("|").split("|")[-1].strip() for r in rows if "[" in r}
+    assert beams == {"beam1": "1", "beam2": "2"}
+    assert "…" not in shown.stdout and "..." not in shown.stdout
 
-        git_commit(repo, "beam 1: the result kept")  # params.yaml, dvc.lock and the metrics, as a user commits them
-        undo = readme_command("git checkout params.yaml")
-        for override, stage in (("translate.beam_size=0", "translate"), ("experiment=unreachable", "download")):
-            failed = dvc_run(repo, "exp", "run", "-S", override, env=env)
-            assert failed.returncode != 0
-            said = [line for line in (failed.stdout + failed.stderr).splitlines() if line.startswith(f"{stage}: ")]
-            assert len(said) == 1 and said[0].startswith(f"{stage}: error: "), failed.stdout + failed.stderr
-            assert "Traceback" not in failed.stdout + failed.stderr
-            assert subprocess.run(["git", "diff", "--quiet", "params.yaml"], cwd=repo).returncode == 1  # DVC kept it
-            back = fresh_shell(repo, undo)
-            assert back.returncode == 0, back.stderr
-            assert "up to date" in dvc(repo, "status", env=env), override
-        assert "cannot get 6 of 6 file(s), so nothing was downloaded" in said[0]
-        assert {str(p.relative_to(repo)) for p in (repo / "data" / "raw").iterdir()} == raw
+    git_commit(repo, "beam 1: the result kept")  # params.yaml, dvc.lock and the metrics, as a user commits them
+    undo = readme_command("git checkout params.yaml")
+    for override, stage in (("translate.beam_size=0", "translate"), ("experiment=unreachable", "download")):
+        failed = dvc_run(repo, "exp", "run", "-S", override, env=env)
+        assert failed.returncode != 0
+        said = [line for line in (failed.stdout + failed.stderr).splitlines() if line.startswith(f"{stage}: ")]
+        assert len(said) == 1 and said[0].startswith(f"{stage}: error: "), failed.stdout + failed.stderr
+        assert "Traceback" not in failed.stdout + failed.stderr
+        assert subprocess.run(["git", "diff", "--quiet", "params.yaml"], cwd=repo).returncode == 1  # DVC kept it
+        back = fresh_shell(repo, undo)
+        assert back.returncode == 0, back.stderr
+        assert "up to date" in dvc(repo, "status", env=env), override
+    assert "cannot get 6 of 6 file(s), so nothing was downloaded" in said[0]
+    assert {str(p.relative_to(repo)) for p in (repo / "data" / "raw").iterdir()} == raw
     shutil.rmtree(repo / "data" / ".cache", ignore_errors=True)

@@ -1,7 +1,8 @@
 """What MLflow and tools.report record of real `dvc repro` runs: each run holds its own results and no one else's.
 
-One temporary repo (tests/fixtures/pipeline_repo.py), the default store (mlflow.db at its root), each run committed first
-so that its parent run is named by its commit:
+A is the session's finished tiny run (tests/fixtures/tiny_run.py: committed first, so that its parent run is named by
+its commit; the default store, mlflow.db at its root; the stages' views on, which a test reads); S to E run on a copy
+of it, with its store, each run committed first (views off: no test reads theirs):
 
     A  `dvc repro`                                   the whole pipeline: a BLEU
     S  translate.max_tokens 2000 -> 500, `dvc repro` translate re-runs, writes the same translations, and
@@ -14,9 +15,9 @@ so that its parent run is named by its commit:
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -24,9 +25,8 @@ import sys
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.fixtures.files_server import FileServer
-from tests.fixtures.pipeline_repo import ROOT, VENV_BIN, dvc_run, git_commit, make_repo, tiny_params, write_corpus, \
-    write_params
+from tests.fixtures.pipeline_repo import ROOT, dvc_run, git_commit, write_params
+from tests.fixtures.tiny_run import copy_run, run_env, tiny_run  # noqa: F401 (tiny_run is a fixture)
 
 STAGES = ["download", "tokenize", "batch", "train", "average", "export", "translate", "evaluate"]
 
@@ -36,33 +36,25 @@ def commit_of(repo) -> str:
 
 
 @pytest.fixture(scope="module")
-def story(tmp_path_factory):
-    """Runs A to E once; returns what the tests look at."""
-    root = tmp_path_factory.mktemp("records")
-    repo = make_repo(root / "repo")
-    (repo / ".gitignore").write_text("/data/\n/mlflow.db\n/mlartifacts/\n/other/\n/reports/\n")
-    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "DVC_STAGE", "DVC_ROOT")}
-    env |= {"PATH": f"{VENV_BIN}{os.pathsep}{env['PATH']}", "OMP_NUM_THREADS": "1", "PIPELINE_VIEWS": "1"}
-    www = root / "www"
-    www.mkdir()
-    runs = {}
-    with FileServer(www) as files:
-        params = tiny_params(write_corpus(www, files, {"train": 200, "valid": 10, "test": 10}), max_steps=10,
-                             eval_every=5, log_every=5, checkpoint_every=5)
-        params["average"]["last_n"] = 2
-        params["translate"]["max_len_b"] = 5
-        for name, change, args in (("A", None, ["repro"]), ("S", ("translate", "max_tokens", 500), ["repro"]),
-                                   ("B", ("train", "max_steps", 15), ["repro", "train"]),
-                                   ("C", ("average", "last_n", 50), ["repro"])):
-            if change:
-                params[change[0]][change[1]] = change[2]
-            path = write_params(repo, params)
-            git_commit(repo, name)
-            done = dvc_run(repo, *args, env=env)
-            runs[name] = {"rc": done.returncode, "output": done.stdout + done.stderr, "commit": commit_of(repo),
-                          "params_hash": hashlib.sha256(path.read_bytes()).hexdigest()}
-            if name == "A":
-                runs[name]["eval"] = json.loads((repo / "metrics" / "eval.json").read_text())
+def story(tiny_run, tmp_path_factory):
+    """A (the session's tiny run), then S to E run once on a copy of it; returns what the tests look at."""
+    repo = copy_run(tiny_run, tmp_path_factory.mktemp("records") / "repo", store=True)
+    env = run_env(views=False)
+    params = copy.deepcopy(tiny_run.params)
+    assert (params["train"]["max_steps"], params["average"]["last_n"], params["translate"]["max_tokens"]) \
+        == (10, 2, 2000), "the story below starts from these"
+    runs = {"A": {"rc": tiny_run.returncode, "output": tiny_run.output, "commit": commit_of(repo),
+                  "params_hash": hashlib.sha256((repo / "params.yaml").read_bytes()).hexdigest(),
+                  "eval": json.loads((repo / "metrics" / "eval.json").read_text())}}
+    for name, change, args in (("S", ("translate", "max_tokens", 500), ["repro"]),
+                               ("B", ("train", "max_steps", 15), ["repro", "train"]),
+                               ("C", ("average", "last_n", 50), ["repro"])):
+        params[change[0]][change[1]] = change[2]
+        path = write_params(repo, params)
+        git_commit(repo, name)
+        done = dvc_run(repo, *args, env=env)
+        runs[name] = {"rc": done.returncode, "output": done.stdout + done.stderr, "commit": commit_of(repo),
+                      "params_hash": hashlib.sha256(path.read_bytes()).hexdigest()}
     shutil.copytree(repo / "data" / "translations", repo / "other")
     shutil.copy(repo / "data" / "raw" / "test.de", repo / "other" / "test.de")  # the references: BLEU 100
     shutil.copy(repo / "data" / "raw" / "valid.de", repo / "other" / "valid.de")

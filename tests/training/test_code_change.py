@@ -1,11 +1,13 @@
 """A code change re-runs exactly what it affects: training never resumes the weights of other code.
 
-One tiny pipeline runs once under `dvc repro` in a temporary git + DVC repo;
-each test edits a copy of it and runs `dvc status` or `dvc repro` there.
+The session's finished tiny run (tests/fixtures/tiny_run.py: every stage ran once under `dvc repro`, 10 steps, a
+checkpoint every 5) is copied once for the module; each test edits that copy (and puts it back) or a copy of it, and
+runs `dvc status` or `dvc repro` there.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import shutil
@@ -18,8 +20,8 @@ from mlflow.tracking import MlflowClient
 
 from pipeline.weights import fingerprint
 from pipeline.weights.checkpoint import ACROSS_CODE_CHANGE_ENV, load_checkpoint, resume_point, save_checkpoint
-from tests.fixtures.files_server import FileServer
-from tests.fixtures.pipeline_repo import dvc, dvc_run, make_repo, tiny_params, write_corpus, write_params
+from tests.fixtures.pipeline_repo import dvc, dvc_run, write_params
+from tests.fixtures.tiny_run import copy_run, tiny_run  # noqa: F401 (tiny_run is a fixture)
 
 pytestmark = pytest.mark.slow
 
@@ -53,22 +55,12 @@ def newest(repo: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """A repo where `dvc repro` ran every stage once: 8 steps, a checkpoint every 2."""
-    root = tmp_path_factory.mktemp("code_change")
-    repo = make_repo(root / "repo")
-    (root / "www").mkdir()
-    with FileServer(root / "www") as server:
-        params = tiny_params(write_corpus(root / "www", server, {"train": 200, "valid": 10, "test": 10}),
-                             max_steps=8, eval_every=4, log_every=2, checkpoint_every=2)
-        params["model"].update(n_layers=1, d_model=16, d_ff=32, n_heads=2, d_k=8, d_v=8)
-        params["tokenize"]["vocab_size"] = 60
-        params["batch"]["max_tokens"] = params["train"]["tokens_per_step"] = 300
-        params["average"]["last_n"] = 2
-        params["translate"].update(beam_size=2, max_len_b=4, max_tokens=400)
-        write_params(repo, params)
-        dvc(repo, "repro")
-    return repo
+def trained(tiny_run, tmp_path_factory):
+    """A copy of the session's tiny run: `dvc repro` ran every stage once, 10 steps, a checkpoint every 5."""
+    train = tiny_run.params["train"]
+    assert (train["max_steps"], train["checkpoint_every"], train["keep_checkpoints"], tiny_run.params["average"]
+            ["last_n"]) == (10, 5, 5, 2), "the tests below count steps and checkpoints from these"
+    return copy_run(tiny_run, tmp_path_factory.mktemp("code_change") / "repo")
 
 
 @pytest.fixture
@@ -80,7 +72,12 @@ def repo(trained, tmp_path) -> Path:
 
 
 def changed_stages(repo: Path) -> set[str]:
-    return set(json.loads(dvc_run(repo, "status", "--json").stdout or "{}"))
+    """The stages `dvc status` lists as changed: DVC's status, in this process (what the command runs, under the lock
+    it takes, without a new process importing DVC each time)."""
+    from dvc.repo import Repo, lock_repo
+
+    with contextlib.chdir(repo), Repo() as project, lock_repo(project):  # stage names as seen from the repo's root
+        return set(project.status())
 
 
 @pytest.mark.parametrize("path, stages", [
@@ -123,7 +120,7 @@ def test_a_change_to_what_training_computes_trains_afresh_from_step_0(repo, path
     for stage in ("download", "tokenize", "batch"):
         assert f"Stage '{stage}' didn't change" in out
     metrics = json.loads((repo / "metrics" / "train.json").read_text())
-    assert metrics["steps"] == 8 and metrics["code_changes"] == 0
+    assert metrics["steps"] == 10 and metrics["code_changes"] == 0
     stale = list(repo.glob(f"data/checkpoints.stale/*/{old_newest.name}"))
     assert len(stale) == 1 and load_checkpoint(stale[0])["code_hash"] != metrics["code_hash"]
     new_weights = load_checkpoint(newest(repo))["model"]
@@ -137,7 +134,7 @@ def test_a_comment_only_edit_resumes_and_keeps_the_newest_checkpoint_byte_for_by
         comment_only_edit(repo / path)
     out = dvc(repo, "repro", "train")
     assert "Running stage 'train'" in out  # the file changed: DVC re-runs the stage, which resumes
-    assert "resuming from step 8 (data/checkpoints/step_00000008.pt)" in out
+    assert "resuming from step 10 (data/checkpoints/step_00000010.pt)" in out
     assert "code changed" not in out and not (repo / "data" / "checkpoints.stale").exists()
     assert newest(repo) == old and old.read_bytes() == old_bytes
 
@@ -146,27 +143,27 @@ def test_the_switch_resumes_across_a_code_change_records_it_and_average_refuses_
     path = "model/schedule.py"
     edit(repo / path, *SEMANTIC_EDITS[path])
     params = yaml.safe_load((repo / "params.yaml").read_text())
-    params["train"]["max_steps"] = 12
-    params["average"]["last_n"] = 4  # steps 6 and 8 of the old code, 10 and 12 of the new
+    params["train"]["max_steps"] = 20
+    params["average"]["last_n"] = 4  # steps 5 and 10 of the old code, 15 and 20 of the new
     write_params(repo, params)
     monkeypatch.setenv(ACROSS_CODE_CHANGE_ENV, "1")
     out = dvc(repo, "repro", "train")
-    assert f"resuming step_00000008.pt across a code change ({ACROSS_CODE_CHANGE_ENV}=1): {path} differ" in out
+    assert f"resuming step_00000010.pt across a code change ({ACROSS_CODE_CHANGE_ENV}=1): {path} differ" in out
     metrics = json.loads((repo / "metrics" / "train.json").read_text())
-    assert (metrics["steps"], metrics["code_changes"], metrics["code_changed_at_step"]) == (12, 1, 8)
+    assert (metrics["steps"], metrics["code_changes"], metrics["code_changed_at_step"]) == (20, 1, 10)
     assert metrics["code_changed_files"] == path
     runs = MlflowClient().search_runs([e.experiment_id for e in MlflowClient().search_experiments()],
                                       filter_string="tags.stage = 'train'", order_by=["attributes.start_time DESC"])
-    assert runs[0].data.tags.get("code_change_at_step_8") == path
+    assert runs[0].data.tags.get("code_change_at_step_10") == path
     assert runs[0].data.metrics["code_changes"] == 1
 
     refused = dvc_run(repo, "repro", "average")
     assert refused.returncode != 0
     assert f"made by different code ({path} differ)" in refused.stdout + refused.stderr
-    params["average"]["last_n"] = 2  # steps 10 and 12: one code
+    params["average"]["last_n"] = 2  # steps 15 and 20: one code
     write_params(repo, params)
     dvc(repo, "repro", "average")
-    assert json.loads((repo / "data" / "model" / "averaged.json").read_text())["steps"] == [10, 12]
+    assert json.loads((repo / "data" / "model" / "averaged.json").read_text())["steps"] == [15, 20]
 
 
 # --- the fingerprint and the resume point, in-process ----------------------------------------------
