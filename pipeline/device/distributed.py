@@ -19,6 +19,7 @@ import logging
 import os
 import socket
 import sys
+import time
 from collections.abc import Collection
 from dataclasses import dataclass
 
@@ -103,7 +104,7 @@ def setup(devices: int, timeout_minutes: float) -> Dist:
     host_group = startup_group = None
     if world > 1:
         if world > local_world:
-            check_reachable(os.environ.get("MASTER_ADDR", ""), world // local_world)
+            check_nodes_reachable(rank, world, local_world, datetime.timedelta(minutes=timeout_minutes))
         # A collective that outlives the timeout: NCCL's watchdog aborts the communicator and the waiting call
         # raises (2 = clean up only), so the stage ends with its one-line error (lost_peers) instead of the
         # watchdog killing the process mid-write (3, torch's default). A user's own setting is kept.
@@ -116,6 +117,34 @@ def setup(devices: int, timeout_minutes: float) -> Dist:
         if backend == "nccl":
             host_group = dist.new_group(backend="gloo", timeout=timeout)
     return Dist(rank, world, local_rank, device, host_group, startup_group)
+
+
+def check_nodes_reachable(rank: int, world: int, local_world: int, timeout: datetime.timedelta) -> None:
+    """check_reachable on every rank; rank 0 raises its error only once every rank has made its own check.
+
+    Rank 0's node hosts torchrun's store: once its process exits, its agent ends and takes the store along, and
+    the agents of the other nodes stop their processes, a slower one before it could say why. Each rank counts
+    itself in that store after its check (TORCHELASTIC_USE_AGENT_STORE: torchrun's c10d rendezvous), and a rank 0
+    that fails waits (train.timeout_minutes at most) until all have, so that every node's log names the problem.
+    """
+    problem = None
+    try:
+        check_reachable(os.environ.get("MASTER_ADDR", ""), world // local_world)
+    except DistributedError as error:
+        problem = error
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        key = f"transformer/checked_reachable/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        try:
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                  timeout=timeout)
+            store.add(key, 1)
+            deadline = time.monotonic() + timeout.total_seconds()
+            while problem and rank == 0 and store.add(key, 0) < world and time.monotonic() < deadline:
+                time.sleep(0.05)
+        except (KeyError, ValueError, RuntimeError) as error:  # no store to reach: the process group will say why
+            log.debug("the check-in store was out of reach: %s", error)
+    if problem:
+        raise problem
 
 
 def check_reachable(master_addr: str, nodes: int) -> None:

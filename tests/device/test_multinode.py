@@ -26,7 +26,7 @@ from pipeline.device.precision import resolve
 from stages import train
 from tests.multinode_smoke import (TOLERANCE, final_weights, free_port, max_difference, node_processes,
                                    run_one_process, start_two_nodes)
-from tests.fixtures.train import MODEL, TRAIN, stage_args, torchrun, write_corpus, write_params
+from tests.fixtures.train import MODEL, ROOT, TRAIN, stage_args, torchrun, write_corpus, write_params
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -138,11 +138,15 @@ def test_a_multi_node_run_whose_rank_0_address_is_loopback_fails_at_once_saying_
 
 
 def test_a_real_two_node_run_over_a_loopback_address_stops_both_nodes_with_that_line(tmp_path, store):
+    """Node 1's process starts 5 s late (a slower node): rank 0 waits for its check before its node's store goes."""
     write_corpus(tmp_path)
     write_params(tmp_path / "params.yaml", max_steps=2, timeout_minutes=0.5)
+    (tmp_path / "late").mkdir()
+    (tmp_path / "late" / "sitecustomize.py").write_text(
+        "import os, time\nif os.environ.get('RANK') == '1':\n    time.sleep(5)\n")
     started = time.monotonic()
     nodes = start_two_nodes((tmp_path, tmp_path), (tmp_path / "params.yaml",) * 2, MLFLOW_TRACKING_URI=store,
-                            GLOO_SOCKET_IFNAME="")
+                            GLOO_SOCKET_IFNAME="", PYTHONPATH=f"{ROOT}:{tmp_path / 'late'}")
     assert [p.wait(timeout=120) for p in nodes] == [1, 1] and time.monotonic() - started < 60
     for node in range(2):
         lines = (tmp_path / f"node{node}.log").read_text().strip().splitlines()
