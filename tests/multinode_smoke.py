@@ -7,13 +7,16 @@ Starts two torchrun processes as two nodes would (`--nnodes=2
 gloo) on the tiny synthetic corpus of tests/fixtures/train.py, then the same
 params in one process (gradient accumulation 2: the same 48 tokens per step),
 and prints as its last line `max |w_2node - w_1proc| = X`; exits 1 when X
-exceeds TOLERANCE. tests/device/test_multinode.py runs the same functions.
+exceeds TOLERANCE. tests/device/test_multinode.py starts its nodes with the
+same functions, and loses one with lose_node_1.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -96,6 +99,34 @@ def run_one_process(root: Path, params: Path, timeout: float = 300, **env: str) 
     cmd = [sys.executable, "-m", "stages.train", *stage_args(root, params)]
     return subprocess.run(cmd, cwd=ROOT, env=stage_env(**env), capture_output=True, text=True, timeout=timeout,
                           preexec_fn=on_core(0))
+
+
+def sealed_steps(root: Path) -> list[int]:
+    """The steps of root's complete checkpoints, oldest first."""
+    return sorted(int(p.name[5:13]) for p in (root / "checkpoints").glob("step_*.pt.sha256"))
+
+
+def lose_node_1(root: Path, nodes: list[subprocess.Popen], lost: signal.Signals, after: int) -> tuple[float, int]:
+    """Once a checkpoint past step `after` is sealed, node 1's agent and workers get `lost` (SIGSTOP: frozen,
+    SIGKILL: gone) while node 0 goes on; the seconds node 0 took to exit, and its exit code. Node 1 ends killed."""
+    deadline = time.monotonic() + 300
+    while not sealed_steps(root) or sealed_steps(root)[-1] <= after:
+        if any(p.poll() is not None for p in nodes) or time.monotonic() > deadline:
+            raise RuntimeError(f"no checkpoint past step {after} while both nodes ran:\n"
+                               + (root / "node0.log").read_text()[-4000:])
+        time.sleep(0.02)
+    frozen = node_processes(nodes[1].pid)
+    for pid in frozen:
+        os.kill(pid, lost)
+    stopped = time.monotonic()
+    try:
+        code = nodes[0].wait(timeout=12 + 90)
+        return time.monotonic() - stopped, code
+    finally:
+        for pid in frozen:
+            with contextlib.suppress(ProcessLookupError):  # a killed worker may be gone already
+                os.kill(pid, signal.SIGKILL)
+        nodes[1].wait()
 
 
 def max_difference(a: dict, b: dict) -> float:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import statistics
 
 import pandas as pd
@@ -15,11 +16,12 @@ SEEDS = {1: (34.0, 36.0, 5.0, 1000), 2: (35.0, 37.0, 5.5, 1100), 3: (36.5, 38.5,
 
 
 @pytest.fixture(scope="module")
-def reported(tmp_path_factory) -> dict:
+def reported(tmp_path_factory, _new_store) -> dict:
     """Three seeds of warmup 4000; warmup 8000 (more FLOPs, less BLEU); warmup 2000 (fewer FLOPs, less BLEU);
     warmup 4000 at another commit (the same FLOPs, less BLEU). The report's CSV and markdown rows."""
     tmp_path = tmp_path_factory.mktemp("seeds")
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    shutil.copyfile(_new_store, tmp_path / "mlflow.db")
     client = MlflowClient(uri)
     for seed, (bleu, tokenized, ppl, tokens) in SEEDS.items():
         log_pipeline_run(client, f"seed{seed}", 4000, bleu, tokenized, 0.3, seed=seed, train_valid_ppl=ppl,
@@ -73,7 +75,8 @@ def test_the_frontier_is_marked_in_the_table_and_the_csv(reported):
         "seed1, seed2, seed3": "yes", "warm8000": "", "warm2000": "yes", "oldcode": ""}
 
 
-def test_seeds_without_the_model_they_came_from_do_not_count(tmp_path):
+def test_seeds_without_the_model_they_came_from_do_not_count(tmp_path, _new_store):
+    shutil.copyfile(_new_store, tmp_path / "mlflow.db")
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(uri)
     log_pipeline_run(client, "seed1", 4000, 34.0, 36.0, 0.3, seed=1)

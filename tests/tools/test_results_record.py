@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import runpy
 import sys
 
@@ -17,7 +18,7 @@ from tools.results import main, record, store
 def test_a_finished_run_appends_its_line_read_from_its_records(tmp_path):
     repo = tmp_path / "run"
     commit = finished_run.make(repo, seed=2)
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = os.environ["MLFLOW_TRACKING_URI"]
     finished_run.log_stages(uri, repo, commit)
     out = tmp_path / "runs.jsonl"
     assert main.main(["record", "--repo", str(repo), "--record", str(out), "--tracking-uri", uri, "--sitting", "s1",
@@ -37,7 +38,7 @@ def test_a_finished_run_appends_its_line_read_from_its_records(tmp_path):
 def test_a_run_cut_short_by_the_safety_stop_says_so_in_its_line(tmp_path):
     repo = tmp_path / "run"
     finished_run.make(repo, train={"steps": 3100, "stopped_by": "max_minutes"})
-    line = record.line(repo, command="make run", recipe="the default", uri=f"sqlite:///{tmp_path / 'none.db'}")
+    line = record.line(repo, command="make run", recipe="the default", uri=os.environ["MLFLOW_TRACKING_URI"])
     assert line["stopped_by"] == "max_minutes" and line["steps"] == 3100
     assert line["wall_s"] == {"train": 1080.0}  # no MLflow record: the train stage's own hours only
 
@@ -47,11 +48,11 @@ def test_an_isa_cap_and_an_edited_tree_are_in_the_line(tmp_path):
     finished_run.make(repo)
     (repo / "notes.txt").write_text("uncommitted")
     caps = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
-    line = record.line(repo, command="make run", recipe="the default", uri=f"sqlite:///{tmp_path / 'none.db'}",
+    line = record.line(repo, command="make run", recipe="the default", uri=os.environ["MLFLOW_TRACKING_URI"],
                        environ=caps, cpu_text=ZEN)
     assert line["clean"] is False and line["machine"]["class"] == "AVX2"
     assert line["emulated"].startswith("AVX2 by an ISA cap") and "ATEN_CPU_CAPABILITY=avx2" in line["emulated"]
-    plain = record.line(repo, command="make run", recipe="the default", uri=f"sqlite:///{tmp_path / 'none.db'}",
+    plain = record.line(repo, command="make run", recipe="the default", uri=os.environ["MLFLOW_TRACKING_URI"],
                         environ={}, cpu_text=EPYC)
     assert plain["emulated"] is None and plain["machine"]["class"] == "AVX2"
 
@@ -81,7 +82,7 @@ def test_what_the_run_itself_wrote_leaves_the_tree_clean(tmp_path):
         f.write("# rewritten by the run\n")
     (repo / "plots").mkdir()
     (repo / "plots" / "train.csv").write_text("step,loss\n")
-    uri = f"sqlite:///{tmp_path / 'none.db'}"
+    uri = os.environ["MLFLOW_TRACKING_URI"]
     assert record.line(repo, command="make run", recipe="the default", uri=uri, cpu_text=ZEN)["clean"] is True
     (repo / "data").mkdir()
     (repo / "data" / "notes.txt").write_text("not an out")
@@ -91,7 +92,7 @@ def test_what_the_run_itself_wrote_leaves_the_tree_clean(tmp_path):
 def test_a_seed_set_in_params_yaml_leaves_the_tree_clean_and_any_other_change_does_not(tmp_path):
     repo = tmp_path / "run"
     finished_run.make(repo)
-    uri = f"sqlite:///{tmp_path / 'none.db'}"
+    uri = os.environ["MLFLOW_TRACKING_URI"]
     params = yaml.safe_load((repo / "params.yaml").read_text())
     params["train"]["seed"] = params["batch"]["seed"] = 3  # as tools.seeds sets them
     (repo / "params.yaml").write_text(yaml.safe_dump(params))

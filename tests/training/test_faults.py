@@ -428,9 +428,7 @@ def pipeline(tmp_path_factory, _new_store):
     (repo / ".gitignore").write_text("/data/.cache/\n/data/checkpoints/\n/mlflow.db\n/mlartifacts/\n")
     for db in (root / "server.db", repo / "mlflow.db"):  # new stores, their tables made (seconds of migrations each)
         shutil.copyfile(_new_store, db)
-    with pytest.MonkeyPatch.context() as mp:  # no job runner (and its seven huey consumers: ~20 s of CPU, unused here)
-        mp.setenv("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
-        server = MlflowServer(root / "server.db").launch()
+    server = MlflowServer(root / "server.db").launch()
     record: dict = {"repo": repo, "server_db": root / "server.db"}
     www = root / "www"
     www.mkdir()

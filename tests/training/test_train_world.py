@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -61,13 +62,14 @@ def test_sharding_uses_every_batch_of_an_epoch_exactly_once():
 
 
 @pytest.mark.slow
-def test_eight_processes_share_every_batch_once_agree_and_only_rank_0_writes(tmp_path):
+def test_eight_processes_share_every_batch_once_agree_and_only_rank_0_writes(tmp_path, _new_store):
     write_corpus(tmp_path, n_train=60)  # 15 batches: the epoch ends inside the second step of 8
     params = write_params(tmp_path / "params.yaml", devices=8, tokens_per_step=8 * 24, max_steps=3,
                           checkpoint_every=1, keep_checkpoints=2, eval_every=2, log_every=1)
     trace_dir = tmp_path / "trace"
     trace_dir.mkdir()
     db = tmp_path / "mlflow.db"
+    shutil.copyfile(_new_store, db)
     out = torchrun(tmp_path, params, 8, STAGES_TRAIN_TRACE=str(trace_dir), MLFLOW_TRACKING_URI=f"sqlite:///{db}",
                    DVC_STAGE="train", DVC_ROOT=str(tmp_path))  # as `dvc repro` runs it: a child of a pipeline run
     assert out.returncode == 0, out.stderr[-3000:]
