@@ -40,6 +40,11 @@ pipeline/core/signals.py raises them as exceptions while a run is open, so the r
 are closed on the way out; one arriving inside an MLflow call waits for the call
 to end; SIGKILL cannot be caught).
 
+PIPELINE_TRACKING=0 in the environment turns tracking off: the stages run as
+they would after a tracking failure, with neither MLflow nor the DVC lineage
+loaded (seconds a stage), and the DVC metrics files are the record (the test
+suite does, but where a test reads the runs).
+
 Failure policy: tracking never stops a stage. The first MLflow error (server
 unreachable, gone mid-run, database locked...) logs ONE warning and turns
 tracking off for the rest of the process; the DVC metrics files remain the
@@ -76,10 +81,16 @@ ENV_DEFAULTS = {
     "MLFLOW_HTTP_REQUEST_TIMEOUT": "5",
     "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "0",
 }
+ENV = "PIPELINE_TRACKING"
 MAX_BATCH = 100  # keys per log_batch call (below MLflow's limits)
 OPEN_LOCK_SECONDS = 120  # the longest a stage waits for others opening their runs in the same sqlite store
 
 _disabled = False  # set by the first failure: tracking stays off for this process
+
+
+def switched_on() -> bool:
+    """False when $PIPELINE_TRACKING turns tracking off (0, false, no, off)."""
+    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def repo_root(work: Path | None = None) -> Path:
@@ -171,6 +182,8 @@ class StageRun:
         return _guard(self.uri, fn)
 
     def log_params(self, params: dict) -> None:
+        if not self.active:  # no run (tracking off, failed, or a rank other than 0): MLflow stays unloaded
+            return
         from mlflow.entities import Param
 
         flat = [Param(k, str(v)) for k, v in flatten(params).items()]
@@ -178,6 +191,8 @@ class StageRun:
             self._call(lambda chunk=chunk: self.client.log_batch(self.run_id, params=chunk))
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        if not self.active:  # no run (tracking off, failed, or a rank other than 0): MLflow stays unloaded
+            return
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
@@ -190,6 +205,8 @@ class StageRun:
         self._call(lambda: self.client.log_artifact(self.run_id, str(path), artifact_path))
 
     def set_tags(self, tags: dict[str, Any]) -> None:
+        if not self.active:  # no run (tracking off, failed, or a rank other than 0): MLflow stays unloaded
+            return
         from mlflow.entities import RunTag
 
         flat = [RunTag(k, str(v)) for k, v in tags.items()]
@@ -325,7 +342,9 @@ def _copy_dvc_metrics(parent: StageRun, paths: list[Path]) -> None:
 @contextlib.contextmanager
 def stage_run(stage: str, args: argparse.Namespace, enabled: bool = True) -> Iterator[StageRun]:
     """Open the run of `stage` (args: its parsed command line: --params, its paths); close it and its parent on exit."""
-    if not enabled or _disabled:
+    if enabled and not switched_on():
+        log.info("tracking is off (%s=%s): the DVC metrics files are the record", ENV, os.environ[ENV])
+    if not enabled or _disabled or not switched_on():
         yield StageRun()
         return
     uri = tracking_uri()

@@ -23,6 +23,7 @@ from stages import average
 from tests.fixtures.train import (FIRST_ID, MODEL, VOCAB, final_weights, last_checkpoint, run_stage, write_corpus,
                                   write_params)
 from tests.fixtures.trainer_steps import trained_steps
+from tests.fixtures.untracked import untracked  # noqa: F401 (autouse: this module reads no MLflow run)
 
 CPU = torch.device("cpu")
 

@@ -27,6 +27,7 @@ from pipeline.core.config import ParamsError
 from pipeline.device import compiled
 from tests.fixtures.train import (FIRST_ID, MODEL, ROOT, VOCAB, final_weights, last_checkpoint, run_stage,
                                   stage_args, stage_env, torchrun, write_corpus, write_params)
+from tests.fixtures.untracked import untracked  # noqa: F401 (autouse: this module reads no MLflow run)
 
 pytestmark = pytest.mark.usefixtures("one_thread", "aot_eager")
 

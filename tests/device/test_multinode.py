@@ -30,6 +30,7 @@ from stages import train
 from tests.multinode_smoke import (TOLERANCE, final_weights, free_port, lose_node_1, max_difference, sealed_steps,
                                    start_two_nodes)
 from tests.fixtures.train import MODEL, ROOT, TRAIN, stage_args, write_corpus, write_params
+from tests.fixtures.untracked import untracked  # noqa: F401 (autouse: this module reads no MLflow run)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -17,6 +17,7 @@ from model.transformer import Transformer
 from pipeline.core.config import ParamsError, TrainConfig, parse
 from pipeline.training import plan
 from tests.fixtures.train import MODEL, TRAIN, VOCAB, final_weights, run_stage, write_corpus, write_params
+from tests.fixtures.untracked import untracked  # noqa: F401 (autouse: this module reads no MLflow run)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 EPS = 0.1

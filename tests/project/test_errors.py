@@ -29,6 +29,7 @@ from pipeline.core.config import ParamsError, compose
 from pipeline.core.errors import PipelineError
 from pipeline.core.files import InputError, OutputError, atomic_dir
 from tests.fixtures.train import ROOT, stage_env, write_corpus, write_params
+from tests.fixtures.untracked import untracked  # noqa: F401 (autouse: this module reads no MLflow run)
 
 
 def dvc_command(stage: str, cwd: Path) -> list[str]:

@@ -122,6 +122,38 @@ def test_the_store_stays_at_the_repo_root_whatever_params_file_is_passed(tmp_pat
     assert [r.data.tags["stage"] for r in all_runs(f"sqlite:///{repo / 'mlflow.db'}")] == ["evaluate"]
 
 
+UNTRACKED_STAGE = """
+import sys
+from stages import evaluate
+evaluate.main(sys.argv[1:])
+print(sorted(m for m in ("mlflow", "dvc.repo", "sqlalchemy") if m in sys.modules))
+"""
+
+
+def test_pipeline_tracking_0_runs_a_stage_of_a_pipeline_run_without_mlflow_or_dvc(tmp_path):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "dvc.yaml").write_text("stages: {}\n")
+    (repo / "dvc.lock").write_text("schema: '2.0'\nstages: {}\n")  # a lineage to read, were tracking on
+    params = evaluate_params(repo / "params.yaml")
+    translations, raw = write_split_files(repo, HYPS, REFS)
+    args = ["--translations", str(translations), "--raw", str(raw), "--metrics", str(repo / "eval.json"),
+            "--params", str(params)]
+    env = stage_env(PIPELINE_TRACKING="0", DVC_STAGE="evaluate", DVC_ROOT=str(repo),
+                    MLFLOW_TRACKING_URI=f"sqlite:///{repo / 'mlflow.db'}")
+    done = subprocess.run([sys.executable, "-c", UNTRACKED_STAGE, *args], cwd=repo, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"  # neither MLflow, its database layer nor DVC loaded
+    assert "tracking is off (PIPELINE_TRACKING=0)" in done.stderr
+    assert json.loads((repo / "eval.json").read_text())["bleu"] > 0 and not (repo / "mlflow.db").exists()
+    done = subprocess.run([sys.executable, "-c", UNTRACKED_STAGE, *args], cwd=repo, env={**env, "PIPELINE_TRACKING": "1"},
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip().splitlines()[-1] == "['dvc.repo', 'mlflow', 'sqlalchemy']"
+    runs = all_runs(f"sqlite:///{repo / 'mlflow.db'}")  # tracking on: the stage's run under its pipeline's parent
+    assert sorted(r.data.tags.get("stage", "the parent") for r in runs) == ["evaluate", "the parent"]
+
+
 def test_a_training_run_is_a_train_child_under_its_pipeline_parent(tmp_path, monkeypatch):
     uri = own_store()
     monkeypatch.setenv("DVC_EXP_NAME", "brisk-wren")

@@ -28,6 +28,7 @@ import yaml
 
 from tests.fixtures.files_server import FileServer
 from tests.fixtures.pipeline_repo import dvc, repo, tiny_params, write_corpus  # noqa: F401 (repo is a fixture)
+from tests.fixtures.untracked import untracked  # noqa: F401 (autouse: this module reads no MLflow run)
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ from pipeline.core import signals
 from pipeline.weights import faults
 from pipeline.weights.checkpoint import step_files
 from tests.fixtures.train import final_weights, run_stage, write_corpus, write_params
+from tests.fixtures.untracked import untracked  # noqa: F401 (autouse: this module reads no MLflow run)
 
 TASK = {"TRANSFORMER_SLURM": "1", "SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_NTASKS": "1",
         "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_STEP_TASKS_PER_NODE": "1"}

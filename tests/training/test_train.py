@@ -34,6 +34,7 @@ from tests.fixtures.train import (MODEL, ROOT, VOCAB, final_weights, last_checkp
                                   torchrun, write_corpus, write_params)
 from tests.fixtures.train_runs import (TWO_PROCESS_RECIPE, one_process_run, one_thread_shared_store,  # noqa: F401
                                        plot_rows, shared_store)
+from tests.fixtures.untracked import untracked  # noqa: F401 (autouse: this module reads no MLflow run)
 
 
 # --- schedule and loss --------------------------------------------------------------------
