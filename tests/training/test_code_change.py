@@ -18,10 +18,12 @@ import torch
 import yaml
 from mlflow.tracking import MlflowClient
 
+from pipeline.core import tracking
 from pipeline.weights import fingerprint
 from pipeline.weights.checkpoint import ACROSS_CODE_CHANGE_ENV, load_checkpoint, resume_point, save_checkpoint
 from tests.fixtures.pipeline_repo import dvc, dvc_run, write_params
 from tests.fixtures.tiny_run import copy_run, tiny_run  # noqa: F401 (tiny_run is a fixture)
+from tests.fixtures.untracked import untracked  # noqa: F401 (autouse: on only where a test reads the runs)
 
 pytestmark = pytest.mark.slow
 
@@ -147,6 +149,7 @@ def test_the_switch_resumes_across_a_code_change_records_it_and_average_refuses_
     params["average"]["last_n"] = 4  # steps 5 and 10 of the old code, 15 and 20 of the new
     write_params(repo, params)
     monkeypatch.setenv(ACROSS_CODE_CHANGE_ENV, "1")
+    monkeypatch.setenv(tracking.ENV, "1")  # this test reads the train stage's run
     out = dvc(repo, "repro", "train")
     assert f"resuming step_00000010.pt across a code change ({ACROSS_CODE_CHANGE_ENV}=1): {path} differ" in out
     metrics = json.loads((repo / "metrics" / "train.json").read_text())
