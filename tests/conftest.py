@@ -109,6 +109,19 @@ def _signals_as_in_a_terminal():
 def pytest_collection_modifyitems(config, items):
     """The files holding a slow test first, in collection order, then the rest: pytest-xdist hands each worker a file
     at a time in this order (`make test`: --dist loadfile --no-loadscope-reorder), so the files that take minutes
-    start together and the short ones fill in at the end, instead of one long file running alone last."""
+    start together and the short ones fill in at the end, instead of one long file running alone last.
+
+    Among the slow files, the first that needs the session's tiny run (tests/fixtures/tiny_run.py) goes first: it
+    builds the run while the other worker takes the other slow files, and the rest of its users come after those,
+    when the run is built, instead of waiting on its lock side by side."""
     slow = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow)
+    tiny = list(dict.fromkeys(item.path for item in items if item.path in slow and "tiny_run" in item.fixturenames))
+
+    def place(item) -> int:
+        if item.path not in slow:
+            return 3
+        if item.path in tiny:
+            return 0 if item.path == tiny[0] else 2
+        return 1
+
+    items.sort(key=place)
