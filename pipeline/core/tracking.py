@@ -344,7 +344,8 @@ def stage_run(stage: str, args: argparse.Namespace, enabled: bool = True) -> Ite
     """Open the run of `stage` (args: its parsed command line: --params, its paths); close it and its parent on exit."""
     if enabled and not switched_on():
         log.info("tracking is off (%s=%s): the DVC metrics files are the record", ENV, os.environ[ENV])
-    if not enabled or _disabled or not switched_on():
+        enabled = False
+    if not enabled or _disabled:
         yield StageRun()
         return
     uri = tracking_uri()
