@@ -366,7 +366,7 @@ def stage_run(stage: str, args: argparse.Namespace, enabled: bool = True) -> Ite
         raise
     finally:
         if status == "FINISHED" and run.active:  # its output as tools.inspect shows it (pipeline/core/views.py)
-            views.log_stage_view(stage, path_arguments(args), uri, run_id)
+            views.log_stage_view(stage, path_arguments(args), client, run_id)
         run._call(lambda: client.set_terminated(run_id, status=status))
         if status == "FINISHED" and parent.active:  # its own --metrics file, and downstream ones DVC will skip
             own = [path_arguments(args)["metrics"]] if "metrics" in path_arguments(args) else []

@@ -5,19 +5,21 @@ repo, the stand-in served from 127.0.0.1 as CORPUS_MIRROR, 8 training
 processes (gloo), then 1 process accumulating 8 micro-batches on the same
 batches: the printed figures, the metrics and the verdict are checked. Memory
 is sampled every second rather than every 0.25 s (each sample reads every
-process's smaps_rollup), and the MLflow store is the conftest's new one.
+process's smaps_rollup), and tracking is off (PIPELINE_TRACKING=0: no assertion here reads an MLflow run;
+tests/project/test_tracking.py and test_run_records.py check the runs of a real `dvc repro`).
 """
 
 from __future__ import annotations
 
 import json
 import re
-import shutil
+import os
 import subprocess
 import sys
 
 import pytest
 
+from pipeline.core import tracking
 from pipeline.weights.checkpoint import complete_checkpoints, load_checkpoint
 from tests.fixtures.pipeline_repo import ROOT, dvc
 from tests.rehearse import SMALL, STAGES, WEIGHTS_TOLERANCE, differences
@@ -27,12 +29,12 @@ pytestmark = pytest.mark.slow
 STAGE_LINE = r"stage {}\s+([\d.]+) s  cpu\s+[\d.]+ s  peak\s+([\d.]+) GiB \(largest process\s+[\d.]+ GiB, (\d+) processes\)"
 
 
-def test_the_rehearsal_runs_every_stage_with_8_processes_and_1_process_agrees(tmp_path, _new_store):
+def test_the_rehearsal_runs_every_stage_with_8_processes_and_1_process_agrees(tmp_path):
     work = tmp_path / "work"
     work.mkdir()
-    shutil.copyfile(_new_store, work / "mlflow.db")  # the store the rehearsal's stages open, its tables made
     result = subprocess.run([sys.executable, "-m", "tests.rehearse", "--small", "--workdir", str(work),
-                             "--sample-every", "1"], cwd=ROOT, capture_output=True, text=True, timeout=420)
+                             "--sample-every", "1"], cwd=ROOT, capture_output=True, text=True, timeout=420,
+                            env={**os.environ, tracking.ENV: "0"})
     out = result.stdout
     assert result.returncode == 0, out[-4000:] + result.stderr[-4000:]
 

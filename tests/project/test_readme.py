@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from pipeline.core import tracking
 from tests.fixtures.pipeline_repo import VENV_BIN, dvc, dvc_run, git_commit, use_preset
 from tests.fixtures.tiny_run import copy_run, tiny_run  # noqa: F401 (tiny_run is a fixture)
 
@@ -200,7 +201,8 @@ def closed_port() -> int:
 @pytest.mark.slow
 def test_the_readme_commands_compare_experiments_and_undo_failed_runs(tiny_run, tmp_path):
     """On a copy of the session's finished tiny run (tests/fixtures/tiny_run.py) made its preset and committed: each
-    experiment re-runs translate and evaluate."""
+    experiment re-runs translate and evaluate, untracked (PIPELINE_TRACKING=0: nothing here reads an MLflow run;
+    tests/training/test_faults.py checks the runs of queued experiments)."""
     repo = copy_run(tiny_run, tmp_path / "repo")
     (repo / ".gitignore").write_text("/data/.cache/\n/mlflow.db\n")
     params = tiny_run.params
@@ -212,7 +214,7 @@ def test_the_readme_commands_compare_experiments_and_undo_failed_runs(tiny_run, 
     (repo / "conf" / "experiment" / "unreachable.yaml").write_text(
         "# @package _global_\n" + yaml.safe_dump(unreachable, sort_keys=False))
     git_commit(repo, "tiny preset")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", tracking.ENV: "0"}
     dvc(repo, "exp", "run", "-n", "beam2", "-S", "translate.beam_size=2", env=env)
     dvc(repo, "exp", "run", "-n", "beam1", "-S", "translate.beam_size=1", env=env)
 

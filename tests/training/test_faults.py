@@ -239,15 +239,11 @@ def test_a_full_disk_fails_the_stage_naming_the_file_and_keeps_every_previous_ou
 KILL_TRAIN = dict(max_steps=8, checkpoint_every=2, eval_every=3, log_every=2, model={"dropout": 0.1})
 
 
-def one_core() -> None:
-    os.sched_setaffinity(0, {0})  # one thread, as the reference run: the same sums, bit for bit
-
-
 def train_subprocess(root: Path, **env: str) -> subprocess.CompletedProcess:
-    """`python -m stages.train` on root's corpus, on one core."""
+    """`python -m stages.train` on root's corpus, on one thread (stage_env: OMP_NUM_THREADS=1), as the reference
+    run: the same sums, bit for bit. Not pinned to a core: the scheduler puts it where the other worker is not."""
     cmd = [sys.executable, "-m", "stages.train", *stage_args(root, root / "params.yaml")]
-    return subprocess.run(cmd, cwd=ROOT, env=stage_env(**env), capture_output=True, text=True, timeout=300,
-                          preexec_fn=one_core)
+    return subprocess.run(cmd, cwd=ROOT, env=stage_env(**env), capture_output=True, text=True, timeout=300)
 
 
 def final_weights(checkpoints: Path) -> dict[str, torch.Tensor]:
@@ -347,16 +343,17 @@ ASK_EVERY_S = 60  # queue_done: how often `dvc queue status` is asked whatever t
 
 
 def pipeline_env(**extra: str) -> dict[str, str]:
-    """The environment of a `dvc` command: the venv first on PATH, no tracking URI or fault unless given."""
+    """The environment of a `dvc` command: the venv first on PATH, one thread a stage (as the in-process reference
+    run), no tracking URI or fault unless given."""
     env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", faults.ENV)}
-    return {**env, "PATH": f"{VENV_BIN}{os.pathsep}{env['PATH']}", **extra}
+    return {**env, "PATH": f"{VENV_BIN}{os.pathsep}{env['PATH']}", "OMP_NUM_THREADS": "1", **extra}
 
 
 def start_dvc(repo: Path, log: Path, env: dict[str, str], *args: str) -> subprocess.Popen:
-    """`dvc args...` in the background, on one core (every training run sums alike), output to `log`."""
+    """`dvc args...` in the background, output to `log` (pipeline_env: one thread a stage, so every training run
+    sums alike)."""
     with open(log, "w") as f:
-        return subprocess.Popen(["dvc", *args], cwd=repo, env=env, stdout=f, stderr=subprocess.STDOUT,
-                                preexec_fn=one_core)
+        return subprocess.Popen(["dvc", *args], cwd=repo, env=env, stdout=f, stderr=subprocess.STDOUT)
 
 
 def finish(proc: subprocess.Popen, log: Path, timeout: float = 600) -> tuple[int, str]:
@@ -380,7 +377,7 @@ def warnings_per_stage(output: str) -> dict[str, int]:
 
 
 def train_in_process(root: Path) -> dict[str, torch.Tensor]:
-    """The train stage over root's corpus, in this process on one thread (as the one-core stage processes: the same
+    """The train stage over root's corpus, in this process on one thread (as the one-thread stage processes: the same
     sums) and untracked; its final weights."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(distributed, "available_cores", lambda: 1)

@@ -279,9 +279,8 @@ def test_resume_after_sigkill_ends_with_the_same_weights(tmp_path, caplog):
 
     cmd = [sys.executable, "-m", "stages.train", *stage_args(killed, killed / "params.yaml")]
     env = stage_env()
-    one_core = dict(preexec_fn=lambda: os.sched_setaffinity(0, {0}))  # one thread, as in the run above: same sums
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            **one_core)
+    # one thread (stage_env), as in the run above: the same sums
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 120
     while not list((killed / "checkpoints").glob("step_*.pt.sha256")) and time.monotonic() < deadline:
         assert proc.poll() is None, proc.stdout.read()

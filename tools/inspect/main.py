@@ -33,6 +33,7 @@ import contextlib
 import importlib
 import io
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Callable, TextIO
@@ -129,10 +130,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"inspect: {one_line(e)}", file=sys.stderr)
         return 1
     if args.mlflow_run:
-        from tools.inspect.to_mlflow import log_view_artifacts
+        from mlflow import MlflowClient
 
+        from pipeline.core.views import log_view
+
+        logging.getLogger("mlflow").setLevel(logging.WARNING)  # its INFO lines (creating a store's tables): noise here
         try:
-            log_view_artifacts(args.mlflow_run, layout, opts.out, text.getvalue())
+            log_view(MlflowClient(os.environ.get("MLFLOW_TRACKING_URI")), args.mlflow_run, layout, opts.out,
+                     text.getvalue())
         except Exception as e:  # MLflow's errors have no common base: any failure to log is this one line
             print(f"inspect: could not log the {layout} view to MLflow run {args.mlflow_run}: {one_line(e)}",
                   file=sys.stderr)
