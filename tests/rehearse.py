@@ -18,7 +18,8 @@ Per stage it prints the wall time of `dvc repro <stage>` (dvc's own start
 included), the CPU time of every process it ran, and the peak memory: the
 highest sum, over every process of the stage (dvc, python, torchrun's agent and
 its workers), of each one's PSS (shared pages split among the processes that
-share them, so 8 workers' torch libraries count once), sampled every 0.25 s (--sample-every),
+share them, so 8 workers' torch libraries count once), sampled every 0.25 s (--sample-every;
+the first samples sooner: 0.05 s, doubling, so a short stage is sampled too),
 and the largest single process's RSS. Then 1 process trains the same steps on
 the same data/batches with train.devices=1 (8 micro-batches accumulated, on one
 thread as each of the 8 processes) and the last line compares its weights with
@@ -156,12 +157,14 @@ def measured(cmd: list[str], cwd: Path, env: dict[str, str], log: Path, every: f
         done = threading.Event()
 
         def sample() -> None:
-            while not done.wait(every):
+            wait = min(every, 0.05)
+            while not done.wait(wait):  # 0.05 s, doubling up to `every`: a command shorter than that is sampled too
                 pids = process_tree(proc.pid)
                 mem = [memory_kib(p) for p in pids]
                 usage.peak_pss_kib = max(usage.peak_pss_kib, sum(m[0] for m in mem))
                 usage.peak_rss_kib = max([usage.peak_rss_kib] + [m[1] for m in mem])
                 usage.most_processes = max(usage.most_processes, sum(1 for m in mem if m[1]))
+                wait = min(every, 2 * wait)
 
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()

@@ -149,8 +149,9 @@ def test_the_switch_resumes_across_a_code_change_records_it_and_average_refuses_
     params["average"]["last_n"] = 4  # steps 5 and 10 of the old code, 15 and 20 of the new
     write_params(repo, params)
     monkeypatch.setenv(ACROSS_CODE_CHANGE_ENV, "1")
-    monkeypatch.setenv(tracking.ENV, "1")  # this test reads the train stage's run
+    monkeypatch.setenv(tracking.ENV, "1")  # this test reads the train stage's run (and no other: average untracked)
     out = dvc(repo, "repro", "train")
+    monkeypatch.setenv(tracking.ENV, "0")
     assert f"resuming step_00000010.pt across a code change ({ACROSS_CODE_CHANGE_ENV}=1): {path} differ" in out
     metrics = json.loads((repo / "metrics" / "train.json").read_text())
     assert (metrics["steps"], metrics["code_changes"], metrics["code_changed_at_step"]) == (20, 1, 10)
