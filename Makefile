@@ -23,10 +23,10 @@ $(VENV)/.installed: requirements.lock pyproject.toml
 run: install
 	dvc repro
 
-# Two workers (pytest-xdist) share the cores: half the suite waits on processes, servers and files, not the CPU.
-# A test file stays on one worker (--dist loadfile), so a module's pipeline fixture runs once; the files holding a
-# slow test go first, in the order tests/conftest.py gives them (--no-loadscope-reorder).
-TEST_WORKERS ?= 2
+# Three workers (pytest-xdist) on two cores: while one waits on a process, a server, a timeout or a file, the other
+# two keep both cores busy. A test file stays on one worker (--dist loadfile), so a module's pipeline fixture runs
+# once; the files holding a slow test go first, in the order tests/conftest.py gives them (--no-loadscope-reorder).
+TEST_WORKERS ?= 3
 test: install
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --ignore=tests/cluster
 
