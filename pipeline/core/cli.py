@@ -13,6 +13,7 @@ does every failure when TRANSFORMER_TRACEBACK=1.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Callable, NoReturn
 
 from pipeline.core import signals
+from pipeline.core.switches import switch
 from pipeline.core.errors import PipelineError
 
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
@@ -54,6 +56,9 @@ def start(doc: str, argv: list[str] | None, *paths: str) -> argparse.Namespace:
 def run(main: Callable[[], None]) -> None:
     """Run a stage's main() as its command: expected failures and Ctrl-C end as one line on stderr (module doc)."""
     stage = Path(main.__code__.co_filename).stem
+    if not gc.isenabled():  # off while the stage's command imported its modules (stages/__init__.py)
+        gc.freeze()
+        gc.enable()
     try:
         with signals.stopping():
             main()
@@ -69,7 +74,7 @@ def run(main: Callable[[], None]) -> None:
 
 def _fail(stage: str, what: str, message: str, status: int) -> NoReturn:
     """Print `<stage>: <what>: <message>` (or, with TRANSFORMER_TRACEBACK=1, re-raise), record it for torchrun, exit."""
-    if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
+    if switch(TRACEBACK_ENV):
         raise
     line = f"{stage}: {what}: {message}"
     if error_file := os.environ.get(ERROR_FILE_ENV):  # torchrun's format; pipeline.device.distributed.launch prints it last

@@ -70,6 +70,7 @@ from typing import Any, Callable, Iterator
 import yaml
 
 from pipeline.core import lineage, signals, views
+from pipeline.core.switches import switch
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ _disabled = False  # set by the first failure: tracking stays off for this proce
 
 def switched_on() -> bool:
     """False when $PIPELINE_TRACKING turns tracking off (0, false, no, off)."""
-    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    return switch(ENV, default=True)
 
 
 def repo_root(work: Path | None = None) -> Path:

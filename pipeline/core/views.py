@@ -33,6 +33,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from pipeline.core.switches import switch
+
 log = logging.getLogger(__name__)
 
 ENV = "PIPELINE_VIEWS"
@@ -45,7 +47,7 @@ CODE_ROOT = Path(__file__).resolve().parents[2]
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV, "1").strip() not in ("0", "false", "no", "off")
+    return switch(ENV, default=True)
 
 
 def command(stage: str, paths: dict[str, Path], out: Path) -> list[str] | None:

@@ -35,6 +35,7 @@ from typing import NoReturn
 
 from pipeline.core import signals
 from pipeline.core.errors import PipelineError
+from pipeline.core.switches import switch
 
 ENV = "TRANSFORMER_SLURM"  # =1: the train stage runs on the SLURM allocation it is in
 DOCS = 'docs/multi_node.md, "SLURM"'
@@ -46,7 +47,7 @@ class SlurmError(PipelineError):
 
 
 def requested() -> bool:
-    return os.environ.get(ENV, "") not in ("", "0")
+    return switch(ENV)
 
 
 def in_task() -> bool:

@@ -27,12 +27,12 @@ checkpoints are those of an uninterrupted run.
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import signal
 from dataclasses import asdict
 
 from pipeline.core import signals
+from pipeline.core.switches import switch
 from pipeline.core.config import ParamsError
 from pipeline.device import distributed
 from pipeline.device.precision import force_hint
@@ -53,7 +53,7 @@ class RunCheckpoints:
         """Load the newest matching checkpoint (rank 0 reads it and sends it to every rank), else start afresh."""
         if self.checkpoints is None:
             return Progress()
-        across = os.environ.get(ckpt.ACROSS_CODE_CHANGE_ENV, "") == "1"
+        across = switch(ckpt.ACROSS_CODE_CHANGE_ENV)
         found, refused = None, ""
         if self.ctx.is_main:
             try:

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -389,3 +390,30 @@ def test_bf16_gradient_compression_without_a_cuda_gpu_is_one_clear_line(tmp_path
     with pytest.raises(ParamsError, match=r"train\.grad_compression = bf16: .*NCCL.*set train\.grad_compression=fp16"):
         run_stage(tmp_path, params)
     assert not (tmp_path / "checkpoints").exists()
+
+
+def test_a_failed_step_frees_what_its_frames_held_before_the_process_group_ends(tmp_path, monkeypatch):
+    """What a failed step's frames hold (the DDP model, in a run of several processes) is freed before
+    distributed.teardown ends the process group, not later when the exit drops the error: a reducer freed then ends
+    the group holding the interpreter lock, which one of gloo's threads may be waiting for (a rank hung so)."""
+    write_corpus(tmp_path)
+    params = write_params(tmp_path / "p.yaml", max_steps=2)
+
+    class Held:  # what a frame of the failed step holds
+        pass
+
+    held: list[weakref.ref] = []
+
+    def failing_fit(self):
+        model = Held()
+        held.append(weakref.ref(model))
+        raise RuntimeError("a collective failed")
+
+    alive_at_teardown = []
+    teardown = train.distributed.teardown
+    monkeypatch.setattr(trainer_lib.Trainer, "fit", failing_fit)
+    monkeypatch.setattr(train.distributed, "teardown", lambda ctx: alive_at_teardown.append(held[0]() is not None)
+                        or teardown(ctx))
+    with pytest.raises(RuntimeError, match="a collective failed"):
+        run_stage(tmp_path, params)
+    assert alive_at_teardown == [False]
