@@ -1,6 +1,5 @@
 """Test-wide environment: nothing phones home, nothing lands in the repo's own mlflow.db."""
 
-import gc
 import os
 import shutil
 import signal
@@ -11,6 +10,14 @@ from pathlib import Path
 # side oversubscribe them (libgomp's waiting threads spin on a core another process needs: measured here, a tiny
 # training run at two threads beside another job took 3.6 times the CPU of one at one thread). Set before torch loads.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from pipeline.core import collector  # noqa: E402
+
+# The cyclic garbage collector paused while the test modules load (torch, dynamo, MLflow...: millions of objects that
+# live as long as the worker), resumed once all are collected, those objects frozen out of its walks, which otherwise
+# go through all of them again and again while the tests allocate (a sixth of the CPU of the in-process tests,
+# measured on three files). pipeline/core/collector.py; a stage's command does the same.
+collector.pause()
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -129,7 +136,4 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_collection_finish(session):
-    """Every test module imported (torch, dynamo, MLflow...: millions of objects that live as long as the worker):
-    frozen out of the cyclic collector's walks (gc.freeze), which otherwise go through all of them again and again
-    while the tests allocate (a sixth of the CPU of the in-process tests, measured on three files)."""
-    gc.freeze()
+    collector.resume()  # see the top

@@ -13,7 +13,6 @@ does every failure when TRANSFORMER_TRACEBACK=1.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import logging
 import os
@@ -22,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Callable, NoReturn
 
-from pipeline.core import signals
+from pipeline.core import collector, signals
 from pipeline.core.switches import switch
 from pipeline.core.errors import PipelineError
 
@@ -56,9 +55,7 @@ def start(doc: str, argv: list[str] | None, *paths: str) -> argparse.Namespace:
 def run(main: Callable[[], None]) -> None:
     """Run a stage's main() as its command: expected failures and Ctrl-C end as one line on stderr (module doc)."""
     stage = Path(main.__code__.co_filename).stem
-    if not gc.isenabled():  # off while the stage's command imported its modules (stages/__init__.py)
-        gc.freeze()
-        gc.enable()
+    collector.resume()  # paused while the stage's command imported its modules (stages/__init__.py)
     try:
         with signals.stopping():
             main()

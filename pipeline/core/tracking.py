@@ -69,7 +69,7 @@ from typing import Any, Callable, Iterator
 
 import yaml
 
-from pipeline.core import lineage, signals, views
+from pipeline.core import collector, lineage, signals, views
 from pipeline.core.switches import switch
 
 log = logging.getLogger(__name__)
@@ -350,7 +350,8 @@ def stage_run(stage: str, args: argparse.Namespace, enabled: bool = True) -> Ite
         yield StageRun()
         return
     uri = tracking_uri()
-    opened = _guard(uri, lambda: _open(uri, stage, args))
+    with collector.paused():  # MLflow's and DVC's imports (pipeline/core/collector.py)
+        opened = _guard(uri, lambda: _open(uri, stage, args))
     if opened is None:
         yield StageRun()
         return

@@ -4,10 +4,13 @@ the cyclic garbage collector waiting, then runs main() with the collector on and
 
 from __future__ import annotations
 
+import argparse
+import gc
 import json
 import subprocess
 import sys
 
+from pipeline.core import collector, tracking
 from tests.fixtures.train import ROOT, stage_env
 
 # Looks on from outside the code under test: at the import of the stage's heaviest module and when the process exits.
@@ -42,3 +45,25 @@ def test_a_stage_command_imports_without_the_collector_and_runs_with_it_on_and_i
 def test_the_stages_imported_as_modules_leave_the_collector_alone(tmp_path):
     seen = watched(tmp_path, "-c", "import stages.train")
     assert seen == {"collector_at_torch_import": True, "collector_at_exit": True, "frozen_at_exit": 0}
+
+
+def test_paused_turns_the_collector_off_inside_and_on_after_freezing_nothing():
+    frozen = gc.get_freeze_count()
+    with collector.paused():
+        assert not gc.isenabled()
+        with collector.paused():  # nested: still off, and the outer one turns it on
+            pass
+        assert not gc.isenabled()
+    assert gc.isenabled() and gc.get_freeze_count() == frozen
+
+
+def test_a_stage_opens_its_mlflow_run_with_the_collector_paused(tmp_path, monkeypatch):
+    """MLflow's and DVC's imports happen there, in a stage's first tracking call."""
+    seen = []
+    monkeypatch.setattr(tracking, "_disabled", False)
+    monkeypatch.setenv(tracking.ENV, "1")
+    monkeypatch.setattr(tracking, "_open", lambda *a: seen.append(gc.isenabled()))  # None: the run is not opened
+    args = argparse.Namespace(params=tmp_path / "params.yaml")
+    with tracking.stage_run("evaluate", args) as run:
+        assert gc.isenabled() and not run.active
+    assert seen == [False]
