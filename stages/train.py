@@ -103,19 +103,16 @@ def main(argv: list[str] | None = None) -> None:
                 write_json(args.metrics, metrics)
                 run.log_metrics({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=metrics["steps"])
                 log.info("done: %s", {k: metrics[k] for k in ("steps", "train_tokens", "valid_ppl", "tokens_per_second", "mfu")})
-    except RuntimeError as e:
+    except BaseException as e:
         # The failed step's frames hold the DDP model until the error is printed at exit: freed then, its reducer
         # would end the process group while holding the interpreter lock that a gloo thread may be waiting for (a
         # rank hung so). Their locals are dropped here, so that trainer.close() drops the model (Trainer.close).
         traceback.clear_frames(e.__traceback__)
-        if not distributed.lost_peers(e, ctx):
-            raise
-        raise distributed.DistributedError(
-            f"rank {ctx.rank} of {ctx.world}: {distributed.LOST_PEERS} ({e}); a node died, froze or was slower than "
-            f"train.timeout_minutes = {cfg.timeout_minutes:g}. Restart every node: training resumes from the newest "
-            f"checkpoint in {args.checkpoints}") from e
-    except BaseException as e:  # any other failure: the same
-        traceback.clear_frames(e.__traceback__)
+        if isinstance(e, RuntimeError) and distributed.lost_peers(e, ctx):
+            raise distributed.DistributedError(
+                f"rank {ctx.rank} of {ctx.world}: {distributed.LOST_PEERS} ({e}); a node died, froze or was slower "
+                f"than train.timeout_minutes = {cfg.timeout_minutes:g}. Restart every node: training resumes from the "
+                f"newest checkpoint in {args.checkpoints}") from e
         raise
     finally:
         if trainer is not None:

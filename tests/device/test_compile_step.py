@@ -33,9 +33,11 @@ pytestmark = pytest.mark.usefixtures("one_thread", "aot_eager")
 
 ONE_LAYER = {"n_layers": 1}  # model keys of every run here (write_params' model=)
 # Inductor's build cut to what the cache test checks (that the graphs are kept and loaded, not how fast they run):
-# C++ at -O0 without vector code (no ISA probe builds), and no pattern-matching passes (seconds of tracing).
+# C++ at -O0 without vector code (no ISA probe builds), no pattern-matching passes (seconds of tracing), and one C++
+# build a graph (cpp_wrapper: the kernels and their caller in one library, not ~30 builds of one kernel each).
 CHEAP_INDUCTOR = {"TORCHINDUCTOR_DEBUG_COMPILE": "1", "TORCHINDUCTOR_VEC_ISA_OK": "0",
-                  "TORCHINDUCTOR_DISABLED_PASSES": "PASS_PATTERN_0,PASS_PATTERN_1,PASS_PATTERN_2"}
+                  "TORCHINDUCTOR_DISABLED_PASSES": "PASS_PATTERN_0,PASS_PATTERN_1,PASS_PATTERN_2",
+                  "TORCHINDUCTOR_CPP_WRAPPER": "1"}
 
 
 def one_layer_model() -> Transformer:
@@ -145,7 +147,7 @@ def test_rdrop_with_the_whole_step_compiled_is_refused_in_one_line(tmp_path):
 
 @pytest.mark.slow
 def test_a_resumed_run_loads_the_compiled_graphs_from_the_cache_beside_the_checkpoints(tmp_path, _new_store):
-    """Inductor for real (a C++ build, cut to CHEAP_INDUCTOR: ~40 CPU-s for this one-layer model): the first run
+    """Inductor for real (a C++ build, cut to CHEAP_INDUCTOR: ~30 CPU-s for this one-layer model): the first run
     builds the whole step's graphs and keeps them in compile_cache/ beside the checkpoints (not torch's default
     directory, which torch sets on import); the resumed run, a new process, loads them and builds none.
     metrics/train.json counts both (run totals), and its recompiles with their reasons."""
