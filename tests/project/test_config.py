@@ -1,5 +1,6 @@
 """params.yaml, conf/ presets and the strict loader agree with each other and with the paper."""
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -65,6 +66,17 @@ def test_selecting_an_experiment_changes_every_value_it_sets(experiment):
 def test_override_of_one_knob():
     assert compose(["train.warmup_steps=8000"])["train"]["warmup_steps"] == 8000
     assert compose(["experiment=wmt14_en_de_base", "train.devices=1"])["train"]["devices"] == 1
+
+
+def test_each_compose_is_a_fresh_copy_and_an_edited_conf_is_composed_again(tmp_path):
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF_DIR, conf)
+    first = compose(["train.warmup_steps=8"], conf)
+    first["train"]["warmup_steps"] = 9  # a caller's change stays its own
+    assert compose(["train.warmup_steps=8"], conf)["train"]["warmup_steps"] == 8
+    main = conf / "config.yaml"
+    main.write_text(main.read_text().replace("\n", "\n# an edit\n", 1) + "extra_section:\n  knob: 1\n")
+    assert compose(["train.warmup_steps=8"], conf)["extra_section"] == {"knob": 1}
 
 
 def test_unknown_preset_is_a_clear_error():
