@@ -23,6 +23,8 @@ collector.pause()
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from tests.fixtures.session import built_once  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
 
@@ -34,13 +36,14 @@ os.environ.setdefault("PIPELINE_VIEWS", "0")  # pipeline/core/views.py: on only 
 
 @pytest.fixture(scope="session")
 def _new_store(tmp_path_factory) -> Path:
-    """A new sqlite MLflow store, its tables made by MLflow itself (its migrations take seconds a store): each test's
-    store is a copy, made before the test opens it."""
-    from mlflow.tracking import MlflowClient
+    """A new sqlite MLflow store, its tables made by MLflow itself (its migrations take seconds a store), once a
+    session (tests/fixtures/session.py): each test's store is a copy, made before the test opens it."""
+    def make(folder: Path) -> None:
+        from mlflow.tracking import MlflowClient
 
-    db = tmp_path_factory.mktemp("new_store") / "mlflow.db"
-    MlflowClient(f"sqlite:///{db}").search_experiments()
-    return db
+        MlflowClient(f"sqlite:///{folder / 'mlflow.db'}").search_experiments()
+
+    return built_once(tmp_path_factory, "new_store", make) / "mlflow.db"
 
 
 @pytest.fixture(autouse=True)

@@ -62,7 +62,9 @@ def trained(tiny_run, tmp_path_factory):
     train = tiny_run.params["train"]
     assert (train["max_steps"], train["checkpoint_every"], train["keep_checkpoints"], tiny_run.params["average"]
             ["last_n"]) == (10, 5, 5, 2), "the tests below count steps and checkpoints from these"
-    return copy_run(tiny_run, tmp_path_factory.mktemp("code_change") / "repo")
+    copy = copy_run(tiny_run, tmp_path_factory.mktemp("code_change") / "repo")
+    assert changed_stages(copy) == set(), "the trained repo is not up to date"
+    return copy
 
 
 @pytest.fixture
@@ -94,11 +96,11 @@ def changed_stages(repo: Path) -> set[str]:
     ("tools/inspect/data.py", set()),  # a view: no stage imports it
 ])
 def test_an_edit_changes_only_the_stages_that_import_the_file(trained, path, stages):
-    """`dvc status` after an edit lists exactly the stages whose command imports the edited file."""
+    """`dvc status` after an edit lists exactly the stages whose command imports the edited file; undone, none (as
+    the copy was made: trained)."""
     target = trained / path
     target.parent.mkdir(parents=True, exist_ok=True)
     before = target.read_bytes() if target.exists() else None
-    assert changed_stages(trained) == set(), "the trained repo is not up to date"
     try:
         with open(target, "a", encoding="utf-8") as f:
             f.write("\nEDITED = True\n")
