@@ -60,7 +60,7 @@ def _compose(overrides: list[str], conf_dir: Path) -> dict:
             cfg = hydra_compose(config_name="config", overrides=overrides)
     except HydraException as e:
         presets = {g.name: sorted(p.stem for p in g.glob("*.yaml")) for g in sorted(conf_dir.iterdir()) if g.is_dir()}
-        raise ParamsError(f"{conf_dir}: cannot compose {list(overrides)}: {e}; presets: {presets}") from None
+        raise ParamsError(f"{conf_dir}: cannot compose {overrides}: {e}; presets: {presets}") from None
     return OmegaConf.to_container(cfg, resolve=True)
 
 
