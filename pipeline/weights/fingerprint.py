@@ -35,10 +35,11 @@ def module_file(name: str, root: Path = ROOT) -> Path | None:
     return None
 
 
-def imported_modules(path: Path) -> set[str]:
-    """Every module name `path` imports, with `from x import y` giving both x and x.y (y may be a submodule)."""
+def imported_modules(tree: ast.AST) -> set[str]:
+    """Every module name a file's syntax tree imports, with `from x import y` giving both x and x.y (y may be a
+    submodule)."""
     names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -47,20 +48,32 @@ def imported_modules(path: Path) -> set[str]:
     return names
 
 
-def project_imports(module: str, root: Path = ROOT) -> set[Path]:
-    """The project files that running `python -m module` imports, transitively (packages' __init__.py included),
-    relative to `root`; function-level imports count. An empty __init__.py is left out: it holds no code."""
-    seen: set[Path] = set()
+def _imported_trees(module: str, root: Path) -> dict[Path, ast.Module]:
+    """The syntax tree of each project file that running `python -m module` imports, transitively, by path (each
+    file read and parsed once); an empty __init__.py is left out: it holds no code."""
+    trees: dict[Path, ast.Module] = {}
+    empty: set[Path] = set()
     todo = [module]
     while todo:
         name = todo.pop()
         parts = name.split(".")
         for i in range(1, len(parts) + 1):  # importing a.b.c runs a/__init__.py and a/b/__init__.py too
             path = module_file(".".join(parts[:i]), root)
-            if path is not None and path not in seen:
-                seen.add(path)
-                todo.extend(imported_modules(path))
-    return {p.relative_to(root) for p in seen if p.read_text(encoding="utf-8").strip()}
+            if path is not None and path not in trees and path not in empty:
+                text = path.read_text(encoding="utf-8")
+                tree = ast.parse(text, filename=str(path))
+                if text.strip():
+                    trees[path] = tree
+                else:
+                    empty.add(path)
+                todo.extend(imported_modules(tree))
+    return trees
+
+
+def project_imports(module: str, root: Path = ROOT) -> set[Path]:
+    """The project files that running `python -m module` imports, transitively (packages' __init__.py included),
+    relative to `root`; function-level imports count. An empty __init__.py is left out: it holds no code."""
+    return {p.relative_to(root) for p in _imported_trees(module, root)}
 
 
 def _without_docstrings(tree: ast.AST) -> ast.AST:
@@ -74,13 +87,17 @@ def _without_docstrings(tree: ast.AST) -> ast.AST:
 
 def code_digest(path: Path) -> str:
     """sha256 of the file's code: its syntax tree less docstrings (comments and layout never reach the tree)."""
-    tree = _without_docstrings(ast.parse(path.read_text(encoding="utf-8"), filename=str(path)))
-    return hashlib.sha256(ast.dump(tree).encode()).hexdigest()
+    return _tree_digest(ast.parse(path.read_text(encoding="utf-8"), filename=str(path)))
+
+
+def _tree_digest(tree: ast.AST) -> str:
+    return hashlib.sha256(ast.dump(_without_docstrings(tree)).encode()).hexdigest()
 
 
 def code_fingerprint(module: str = "stages.train", root: Path = ROOT) -> dict[str, str]:
     """{file relative to root: code_digest} for every project file `python -m module` imports, sorted by name."""
-    return {str(rel): code_digest(root / rel) for rel in sorted(project_imports(module, root))}
+    trees = _imported_trees(module, root)
+    return {str(p.relative_to(root)): _tree_digest(trees[p]) for p in sorted(trees, key=lambda p: p.relative_to(root))}
 
 
 def code_hash(code: dict[str, str]) -> str:
