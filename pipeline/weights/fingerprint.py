@@ -85,19 +85,15 @@ def _without_docstrings(tree: ast.AST) -> ast.AST:
     return tree
 
 
-def code_digest(path: Path) -> str:
-    """sha256 of the file's code: its syntax tree less docstrings (comments and layout never reach the tree)."""
-    return _tree_digest(ast.parse(path.read_text(encoding="utf-8"), filename=str(path)))
-
-
-def _tree_digest(tree: ast.AST) -> str:
+def code_digest(tree: ast.AST) -> str:
+    """sha256 of a file's code: its syntax tree less docstrings (comments and layout never reach the tree)."""
     return hashlib.sha256(ast.dump(_without_docstrings(tree)).encode()).hexdigest()
 
 
 def code_fingerprint(module: str = "stages.train", root: Path = ROOT) -> dict[str, str]:
     """{file relative to root: code_digest} for every project file `python -m module` imports, sorted by name."""
     trees = _imported_trees(module, root)
-    return {str(p.relative_to(root)): _tree_digest(trees[p]) for p in sorted(trees, key=lambda p: p.relative_to(root))}
+    return {str(p.relative_to(root)): code_digest(trees[p]) for p in sorted(trees)}
 
 
 def code_hash(code: dict[str, str]) -> str:
