@@ -65,6 +65,36 @@ def test_the_choice_and_the_peak_see_avx512_bf16_only_with_the_avx512_torch_need
     assert cpu.has_avx512_bf16(ZEN) and peak.nominal_cpu_peak(2, ZEN, products="bf16") is not None
 
 
+@pytest.mark.parametrize("caps, text, want_class, want_choice", [
+    ({"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}, ZEN,
+     "AVX2 only", "fp32"),
+    ({"ONEDNN_MAX_CPU_ISA": "avx2"}, XEON, "AVX2 only", "fp32"),
+    ({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}, XEON.replace("avx512f", "avx512f avx512dq avx512bw avx512vl"),
+     "AVX-512 BF16, no AMX", "autocast"),
+    ({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE"}, ZEN, "AVX-512, no bf16", "onednn"),
+    ({"ATEN_CPU_CAPABILITY": "default"}, ZEN, "no AVX2", "fp32"),
+    ({"ONEDNN_MAX_CPU_ISA": "ALL", "ATEN_CPU_CAPABILITY": "avx512"}, XEON, "AMX", "bf16")])  # caps that narrow nothing
+def test_an_isa_cap_makes_the_choice_and_the_peak_those_of_the_cpu_it_leaves(monkeypatch, caps, text, want_class,
+                                                                              want_choice):
+    """A process capped to AVX2 on an AVX-512 CPU chooses torch's BLAS and counts the AVX2 peak, as a CPU with AVX2
+    only does, and its class names the cap; a cap at or above the CPU's units changes nothing."""
+    monkeypatch.setattr(cpu_matmul, "onednn_keeps_fp32", lambda: True)
+    for name in cpu.CAPS:
+        monkeypatch.delenv(name, raising=False)
+    uncapped = peak.nominal_cpu_peak(2, text)
+    for name, value in caps.items():
+        monkeypatch.setenv(name, value)
+    narrowed = cpu.caps()
+    assert cpu_matmul.choose("auto", CPU, text) == want_choice
+    shown = " ".join(f"{k}={v}" for k, v in narrowed.items())
+    assert cpu.cpu_class(text).endswith(f"({want_class}; ISA capped: {shown})" if narrowed else f"({want_class})")
+    if want_class == "AVX2 only":
+        assert cpu.unit(text) == "AVX2" and not cpu.has_avx512(text) and not cpu.has_amx(text)
+        assert peak.nominal_cpu_peak(2, text) == pytest.approx(uncapped / 2)  # 32 fp32 FLOP a cycle, not 64
+    if not narrowed:
+        assert peak.nominal_cpu_peak(2, text) == uncapped and cpu.unit(text) == cpu.unit(text, {})
+
+
 @pytest.mark.parametrize("choice, dtype", [("autocast", torch.bfloat16), ("onednn", torch.float32),
                                            ("bf16", torch.float32), ("fp32", torch.float32)])
 def test_a_choice_steps_under_bf16_autocast_only_for_autocast(choice, dtype):

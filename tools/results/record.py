@@ -24,12 +24,11 @@ import yaml
 
 from pipeline.core import tracking
 from pipeline.core.errors import PipelineError
-from pipeline.device.cpu import cpuinfo, has_amx, has_avx512, has_avx512_bf16
+from pipeline.device import cpu
 
 STAGES = ("download", "tokenize", "batch", "train", "average", "export", "translate", "evaluate")
 METRICS = {"train": "metrics/train.json", "evaluate": "metrics/eval.json"}  # what a line cannot do without
 EXPORT = "metrics/export.json"
-ISA_CAPS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
 MEND = "finish the run with `dvc repro` in that repository, then record it"
 
 
@@ -121,16 +120,13 @@ def git(repo: Path) -> tuple[str, bool]:
 
 
 def machine(environ: dict, text: str | None = None) -> tuple[dict, str | None]:
-    """The CPU as the run saw it (its model, its class, an ISA cap in `environ` lowering it) and what was capped."""
-    caps = {k: environ[k] for k in ISA_CAPS if environ.get(k)}
-    kind = "AMX" if has_amx(text) else "AVX-512 BF16" if has_avx512_bf16(text) else (
-        "AVX-512" if has_avx512(text) else "AVX2")
+    """The CPU as the run saw it (its model; its class: the widest unit it has that an ISA cap in `environ`
+    leaves, pipeline/device/cpu.py) and what was capped."""
+    caps, kind, model = cpu.caps(environ), cpu.unit(text, environ), cpu.cpuinfo("model name", text)
     emulated = None
     if caps:
-        kind = "AVX2" if any("avx2" in v.lower() for v in caps.values()) else kind
-        emulated = f"{kind} by an ISA cap on a {cpuinfo('model name', text) or 'CPU'}: " + " ".join(
-            f"{k}={v}" for k, v in caps.items())
-    return {"cpu": cpuinfo("model name", text), "class": kind, "threads": None, "gpu": None}, emulated
+        emulated = f"{kind} by an ISA cap on a {model or 'CPU'}: " + " ".join(f"{k}={v}" for k, v in caps.items())
+    return {"cpu": model, "class": kind, "threads": None, "gpu": None}, emulated
 
 
 def stage_walls(uri: str, commit: str, params_text: str) -> dict:
