@@ -47,8 +47,13 @@ def test_means_spreads_and_ratios_are_computed_from_the_lines():
     assert "41.17 ± 0.36" in tables.headline(lines)
     new, old = next(p for p in tables.pairs(lines, tables.DEFAULT, tables.EARLIER) if p[0]["id"] == "xeon-slow-new")
     assert f"{new['wall_s']['run'] / old['wall_s']['run']:.2f}x (xeon-slow-new / xeon-slow-old)" in tables.headline(lines)
+    ratio = f"2 threads, Intel Xeon, AMX, {new['wall_s']['run'] / old['wall_s']['run']:.2f}x (xeon-2026-11-29)"
+    said = tables.target(lines)
+    assert ratio in said.split(", met in ")[0] and ratio not in said.split(", met in ")[1]  # above 1.25x: missed
+    new["wall_s"]["run"] = old["wall_s"]["run"] * 1.2
+    assert "2 threads, Intel Xeon, AMX, 1.20x (xeon-2026-11-29)" in tables.target(lines).split(", met in ")[1]
     old["sitting"] = "another"  # runs of two sittings are never paired
-    assert "xeon-slow-old" not in tables.headline(lines)
+    assert "xeon-slow-old" not in tables.headline(lines) and "xeon-2026-11-29" not in tables.target(lines)
 
 
 @pytest.mark.parametrize("edit, found", [(lambda l: l.pop("commit"), "missing commit"),

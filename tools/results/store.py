@@ -11,7 +11,8 @@ A line (one run), every key present, None where the run's records have no such f
     preset         the experiment preset; recipe: what was run, as the tables name it ("the default", a
                    preset, a lever); baseline: for a lever, the recipe it is measured against (seed by seed)
     params_hash    of params.yaml as the run read it; seed: train.seed (= batch.seed)
-    machine        {"cpu": model name, "class": AVX2 | AVX-512 | AVX-512 BF16 | AMX, "threads", "gpu"}
+    machine        {"cpu": model name, "class": a unit of pipeline/device/cpu.py (AVX2, AVX-512 BF16...) or GPU,
+                    "threads", "gpu"}
     emulated       None, or how the machine was made to stand for another (a capped ISA, a thread cap)
     precision      how the steps computed (metrics/train.json's precision)
     wall_s         seconds: "run" (make run or dvc repro, `make install` apart) and one per stage timed
@@ -30,9 +31,10 @@ from pathlib import Path
 
 from pipeline.core.errors import PipelineError
 from pipeline.core.files import write_text
+from pipeline.device.cpu import UNITS
 
 RECORD = Path("results") / "runs.jsonl"
-CLASSES = ("AVX2", "AVX-512", "AVX-512 BF16", "AMX", "GPU")
+CLASSES = (*UNITS, "GPU")
 STOPS = ("max_steps", "max_minutes")
 SCORES = ("bleu", "lc_norm_tok", "bleu_tokenized", "chrf", "ppl")
 OPTIONAL = object()  # a field that may be None
