@@ -278,7 +278,7 @@ def test_fault_specs_are_parsed_strictly_and_unset_means_nothing(monkeypatch):
 def test_train_killed_anywhere_resumes_to_the_same_final_weights(tmp_path, caplog, never_killed, fault, resumed_from):
     write_train_corpus(tmp_path)
     write_train_params(tmp_path / "params.yaml", **KILL_TRAIN)
-    killed = train_subprocess(tmp_path, TRANSFORMER_FAULT=fault)
+    killed = train_subprocess(tmp_path, TRANSFORMER_FAULT=fault, **{tracking.ENV: "0"})  # no MLflow run read here
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert f"SIGKILL at {fault}" in killed.stderr
     checkpoints = tmp_path / "checkpoints"

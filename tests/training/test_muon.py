@@ -12,6 +12,7 @@ from mlflow.tracking import MlflowClient
 
 from model.config import ModelConfig
 from model.transformer import Transformer
+from pipeline.core import tracking
 from pipeline.core.config import BatchConfig, ParamsError, TrainConfig, parse
 from pipeline.device.distributed import Dist
 from pipeline.training.loader import Batch, TrainingData
@@ -156,7 +157,7 @@ def test_two_processes_with_muon_update_like_one_process(tmp_path):
         write_params(root / "params.yaml", max_tokens=48, devices=devices, tokens_per_step=48, max_steps=4,
                      checkpoint_every=0, eval_every=0, micro_batch_tokens=12, adam_eps=1e-4, optimizer="muon")
     m1 = run_stage(one, one / "params.yaml")
-    out = torchrun(two, two / "params.yaml", 2)
+    out = torchrun(two, two / "params.yaml", 2, **{tracking.ENV: "0"})  # no MLflow run read here
     assert out.returncode == 0, out.stderr[-3000:]
     m2 = json.loads((two / "metrics" / "train.json").read_text())
     assert m1["params_hash"] == m2["params_hash"] and m1["train_tokens"] == m2["train_tokens"]

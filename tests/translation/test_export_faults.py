@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import yaml
 
-from pipeline.core import cli, config
+from pipeline.core import cli, config, tracking
 from pipeline.core.config import ParamsError
 from pipeline.export import spec
 from pipeline.translation.engine import computed_type
@@ -159,7 +159,7 @@ def test_a_killed_export_leaves_nothing_the_next_run_does_not_remove_or_restore(
     root, model, tokenized, params = made
     shutil.copytree(root / "export", tmp_path / "export")
     before = {p.name: p.read_bytes() for p in (tmp_path / "export").iterdir()}
-    env = {**os.environ, "TRANSFORMER_FAULT": f"{point}@0"}
+    env = {**os.environ, "TRANSFORMER_FAULT": f"{point}@0", tracking.ENV: "0"}  # no MLflow run read here
     killed = subprocess.run([sys.executable, "-m", "stages.export", *stage_args(tmp_path, model, tokenized, params)],
                             env=env, capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert killed.returncode == -9, killed.stderr[-2000:]
