@@ -4,6 +4,7 @@ gradients stay views of DDP's all-reduce buckets from step to step."""
 
 from __future__ import annotations
 
+import gc
 import inspect
 import warnings
 
@@ -116,6 +117,8 @@ def test_the_trainer_hands_its_ddp_params_to_ddp(tmp_path):
         assert ddp._comm_hooks[0][0] is distributed.COMPRESSION_HOOKS["fp16"]
         trainer.step(trainer.epoch_order())
         trainer.close()
+        del trainer, ddp
+        gc.collect()  # DDP's reducer freed while the group lives: never the group's last holder
 
 
 def test_the_trainer_builds_its_ddp_and_steps_on_torch_2_11s_keywords(tmp_path, monkeypatch):
@@ -128,6 +131,8 @@ def test_the_trainer_builds_its_ddp_and_steps_on_torch_2_11s_keywords(tmp_path, 
         assert type(trainer.loss_model) is Torch211DDP and trainer.loss_model.broadcast_buffers is False
         trainer.step(trainer.epoch_order())
         trainer.close()
+        del trainer
+        gc.collect()  # DDP's reducer freed while the group lives: never the group's last holder
 
 
 def test_gradients_stay_views_of_ddps_buckets_from_step_to_step(tmp_path):
@@ -156,6 +161,8 @@ def test_gradients_stay_views_of_ddps_buckets_from_step_to_step(tmp_path):
             assert all(float(p.grad.abs().sum()) == 0.0 for p in params)  # zeroed for the next step
         assert seen[1] == seen[2]  # the same memory, step after step
         trainer.close()
+        del trainer
+        gc.collect()  # DDP's reducer freed while the group lives: never the group's last holder
 
 
 def test_ddps_gradients_are_zeroed_by_one_multi_tensor_call_not_one_each(tmp_path):
@@ -178,3 +185,5 @@ def test_ddps_gradients_are_zeroed_by_one_multi_tensor_call_not_one_each(tmp_pat
         assert not outside and not any(e.name == "aten::zero_" and e.cpu_parent is None for e in events)
         assert all(float(p.grad.abs().sum()) == 0.0 for p in params)
         trainer.close()
+        del trainer
+        gc.collect()  # DDP's reducer freed while the group lives: never the group's last holder
