@@ -61,6 +61,11 @@ def caps(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     return {k: env[k] for k, values in CAPS.items() if env.get(k, "").lower() in values}
 
 
+def caps_line(environ: Mapping[str, str] | None = None) -> str:
+    """The narrowing ISA caps as an environment line ("ONEDNN_MAX_CPU_ISA=AVX2 ..."); "" without one."""
+    return " ".join(f"{k}={v}" for k, v in caps(environ).items())
+
+
 def cap(environ: Mapping[str, str] | None = None) -> str | None:
     """The widest unit of UNITS the ISA caps in `environ` leave (the narrowest of theirs); None where none narrows."""
     units = [CAPS[k][v.lower()] for k, v in caps(environ).items()]
@@ -108,5 +113,5 @@ def unit(text: str | None = None, environ: Mapping[str, str] | None = None) -> s
 def cpu_class(text: str | None = None) -> str:
     """This CPU (or a /proc/cpuinfo `text`) as the choices see it: its model name, the widest of AMX, AVX-512 BF16,
     AVX-512 and AVX2 it has, and the ISA caps that narrowed it."""
-    capped = "".join(f"{'; ISA capped:' if i == 0 else ''} {k}={v}" for i, (k, v) in enumerate(caps().items()))
+    capped = f"; ISA capped: {caps_line()}" if caps() else ""
     return f"{cpuinfo('model name', text) or 'a CPU'} ({CLASS_NAMES[unit(text)]}{capped})"

@@ -122,10 +122,8 @@ def git(repo: Path) -> tuple[str, bool]:
 def machine(environ: dict, text: str | None = None) -> tuple[dict, str | None]:
     """The CPU as the run saw it (its model; its class: the widest unit it has that an ISA cap in `environ`
     leaves, pipeline/device/cpu.py) and what was capped."""
-    caps, kind, model = cpu.caps(environ), cpu.unit(text, environ), cpu.cpuinfo("model name", text)
-    emulated = None
-    if caps:
-        emulated = f"{kind} by an ISA cap on a {model or 'CPU'}: " + " ".join(f"{k}={v}" for k, v in caps.items())
+    capped, kind, model = cpu.caps_line(environ), cpu.unit(text, environ), cpu.cpuinfo("model name", text)
+    emulated = f"{kind} by an ISA cap on a {model or 'CPU'}: {capped}" if capped else None
     return {"cpu": model, "class": kind, "threads": None, "gpu": None}, emulated
 
 
