@@ -62,7 +62,7 @@ rehearse: install
 gpu-check: install
 	$(BIN)/python -m bench.gpu.check
 
-# The next lent GPU's one call (after `source .gpu/env.sh`: no install, the machine's own torch): base, then big,
+# One call on a GPU machine whose python (first on PATH, a CUDA torch; no install) runs it: base, then big,
 # eager and the whole compiled step, the share lines with communication modelled, decoding fp32 and bf16, within
 # 9 minutes; lines print as they end, and reports/gpu_day.json holds the figures of each preset done
 gpu-day:

@@ -56,6 +56,14 @@ def test_means_spreads_and_ratios_are_computed_from_the_lines():
     assert "xeon-slow-old" not in tables.headline(lines) and "xeon-2026-11-29" not in tables.target(lines)
 
 
+def test_a_run_ended_by_the_safety_stop_says_so_where_its_scores_are_published():
+    lines = [json.loads(l) for l in (ROOT / store.RECORD).read_text().splitlines()]
+    xeon = [l for l in lines if l["recipe"] == tables.DEFAULT and l["machine"]["class"] == "AMX"]
+    assert "| 4600 |" in tables.presets(xeon) and "safety stop" not in tables.presets(xeon)
+    xeon[0].update(stopped_by="max_minutes", steps=3100)
+    assert "| 3100 (the safety stop) |" in tables.presets(xeon)
+
+
 @pytest.mark.parametrize("edit, found", [(lambda l: l.pop("commit"), "missing commit"),
                                          (lambda l: l.update(date="30/11/2026"), "date: expected YYYY-MM-DD"),
                                          (lambda l: l.update(stopped_by="tired"), "stopped_by: expected one of"),

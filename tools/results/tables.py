@@ -125,7 +125,8 @@ def presets(lines: list[dict]) -> str:
     rows = []
     for (recipe, where), runs in _groups(lines, lambda l: published(l) and l["recipe"] != EARLIER).items():
         flops = sorted({f"{r['flops']:.1e}".replace("e+", "e") for r in runs if r["flops"]})
-        rows.append([recipe, where, _seeds(runs), f"{runs[0]['steps']}", _scores(runs, "test", "bleu"),
+        cut = " (the safety stop)" if any(r["stopped_by"] == "max_minutes" for r in runs) else ""
+        rows.append([recipe, where, _seeds(runs), f"{runs[0]['steps']}{cut}", _scores(runs, "test", "bleu"),
                      _scores(runs, "test", "lc_norm_tok"), _scores(runs, "test", "bleu_tokenized"),
                      _scores(runs, "valid", "bleu"), ", ".join(flops) or "-"])
     return _table(["recipe", "machine", "seeds", "steps", "sacreBLEU", "lc.norm.tok", "tokenized BLEU", "valid BLEU",
