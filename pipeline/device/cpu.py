@@ -113,5 +113,6 @@ def unit(text: str | None = None, environ: Mapping[str, str] | None = None) -> s
 def cpu_class(text: str | None = None) -> str:
     """This CPU (or a /proc/cpuinfo `text`) as the choices see it: its model name, the widest of AMX, AVX-512 BF16,
     AVX-512 and AVX2 it has, and the ISA caps that narrowed it."""
-    capped = f"; ISA capped: {caps_line()}" if caps() else ""
+    line = caps_line()
+    capped = f"; ISA capped: {line}" if line else ""
     return f"{cpuinfo('model name', text) or 'a CPU'} ({CLASS_NAMES[unit(text)]}{capped})"
